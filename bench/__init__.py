@@ -1,0 +1,1 @@
+"""The bench CLI: load generator, workloads, metrics, plots."""

@@ -1,0 +1,1 @@
+"""The scheduler process and everything shared by all gapless processes."""

@@ -1,0 +1,246 @@
+"""Every message that crosses a process boundary, one tagged union per channel.
+
+All are msgspec Structs encoded with msgpack; nothing on any socket is ever pickled.
+Channels (each a ZMQ PUSH -> PULL pair over ipc:// in the run directory):
+
+  frontend, detokenizer -> core      CoreInput
+  core -> gpu_runner                 RunnerInput
+  gpu_runner -> core                 RunnerOutput
+  core -> detokenizer                DetokInput
+  detokenizer, supervisor -> frontend FrontendInput
+  every process -> supervisor        ControlMessage
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+class _Msg(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):
+    pass
+
+
+class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, frozen=True):
+    """Per-request generation settings, validated by the frontend before they get here."""
+
+    max_tokens: int
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 disables
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None  # None: none; 0: sampled token only; k: also the top k
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+
+# ---------------------------------------------------------------- frontend/detokenizer -> core
+
+
+class AddRequest(_Msg):
+    request_id: str  # unique per engine; the frontend prefixes its id
+    frontend_id: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float  # time.time() when the HTTP request arrived
+    tenant: str = ""
+    priority: int = 1  # 0 interactive, 1 default, 2 batch
+
+
+class Abort(_Msg):
+    request_ids: list[str]
+
+
+class StopHit(_Msg):
+    """The detokenizer found a stop string; the core finishes the request."""
+
+    request_id: str
+
+
+class Shutdown(_Msg):
+    pass
+
+
+class GetStats(_Msg):
+    """Ask the core for a snapshot; it answers with EngineStats to the frontend."""
+
+    frontend_id: int
+    token: int
+
+
+CoreInput = AddRequest | Abort | StopHit | Shutdown | GetStats
+
+
+# ---------------------------------------------------------------- core -> gpu_runner
+
+
+class NewSlot(_Msg):
+    """A request takes a slot of the runner's persistent batch before the plan's step runs."""
+
+    slot: int
+    params: SamplingParams
+    num_prompt_tokens: int  # positions below this are prompt tokens (penalties treat them apart)
+
+
+class StepPlan(_Msg):
+    """One step. Entries are the scheduled slots in order; arrays are flat, indexed by entry.
+
+    A decode entry carries no token id: the runner reads last_token[slot], written by the
+    sampler of the step that produced it. Prefill chunks carry their token ids.
+    """
+
+    seq: int  # plans run strictly in order: the runner asserts seq == last + 1
+    new_slots: list[NewSlot]
+    freed_slots: list[int]  # released before this step's inputs are prepared
+    slots: list[int]  # [B]
+    num_tokens: list[int]  # [B] query tokens of each entry
+    start_pos: list[int]  # [B] position of each entry's first query token
+    has_tokens: list[bool]  # [B] True: ids for this entry are in token_ids; False: last_token
+    token_ids: list[int]  # concatenated ids of entries with has_tokens
+    sample: list[bool]  # [B] sample a token after this entry (prompt done or decoding)
+    num_new_blocks: list[int]  # [B] KV blocks appended to the slot's block table this step
+    new_blocks: list[int]  # concatenated block ids
+
+
+RunnerInput = StepPlan | Shutdown
+
+
+# ---------------------------------------------------------------- gpu_runner -> core
+
+
+class StepTiming(msgspec.Struct, array_like=True, gc=False):
+    """Device timeline of one step, seconds on time.perf_counter's clock of the runner."""
+
+    plan_received: float
+    launched: float
+    device_start: float
+    device_end: float
+    published: float
+    prepare_s: float = 0.0
+    forward_s: float = 0.0
+    sample_s: float = 0.0
+
+
+class StepResult(_Msg):
+    seq: int
+    token_ids: list[int]  # one per entry with sample=True, in entry order
+    logprobs: list[float]  # sampled token's logprob, same order (empty if nobody asked)
+    top_counts: list[int]  # per sampled entry: how many top logprobs follow (0 if none)
+    top_ids: list[int]
+    top_logprobs: list[float]
+    timing: StepTiming | None = None
+
+
+class RunnerReady(_Msg):
+    num_kv_blocks: int
+    max_num_seqs: int
+
+
+class RunnerError(_Msg):
+    seq: int
+    message: str
+
+
+RunnerOutput = StepResult | RunnerReady | RunnerError
+
+
+# ---------------------------------------------------------------- core -> detokenizer
+
+
+class DetokNew(_Msg):
+    request_id: str
+    frontend_id: int
+    params: SamplingParams
+    prompt_tail: list[int]  # last few prompt ids, so the first text decodes in context
+
+
+class TokenBatch(_Msg):
+    """New tokens of one step for several requests, flat and indexed per request."""
+
+    request_ids: list[str]
+    counts: list[int]  # tokens per request (may be 0 for a pure finish)
+    token_ids: list[int]
+    finish_reasons: list[str]  # "" still running, else a FinishReason
+    num_prompt_tokens: list[int]
+    # logprobs, flat over all tokens of requests that asked for them (see SamplingParams)
+    logprobs: list[float] = []
+    top_counts: list[int] = []
+    top_ids: list[int] = []
+    top_logprobs: list[float] = []
+    errors: list[str] = []  # per request, "" unless finish_reason is "error"
+
+
+DetokInput = DetokNew | TokenBatch | Shutdown
+
+
+# ---------------------------------------------------------------- detokenizer/supervisor -> frontend
+
+
+class TopLogprob(msgspec.Struct, array_like=True, gc=False):
+    token: str
+    logprob: float
+    token_id: int
+
+
+class TokenLogprob(msgspec.Struct, array_like=True, gc=False):
+    token: str
+    logprob: float
+    token_id: int
+    top: list[TopLogprob] = []
+
+
+class TextDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    request_id: str
+    text: str
+    token_ids: list[int]  # the tokens this text came from
+    num_prompt_tokens: int
+    num_output_tokens: int  # cumulative
+    finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+    error: str | None = None
+
+
+class TextDeltas(_Msg):
+    deltas: list[TextDelta]
+
+
+class EngineDead(_Msg):
+    reason: str
+
+
+class EngineStats(_Msg):
+    token: int
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_total_blocks: int
+
+
+FrontendInput = TextDeltas | EngineDead | EngineStats
+
+
+# ---------------------------------------------------------------- every process -> supervisor
+
+
+class Ready(_Msg):
+    role: str
+    pid: int
+    info: dict[str, int] = {}
+
+
+class Fatal(_Msg):
+    role: str
+    message: str
+
+
+ControlMessage = Ready | Fatal

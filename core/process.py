@@ -1,0 +1,67 @@
+"""What every gapless child process shares: config from the environment, parent-death
+detection, SIGTERM as a request to stop, and the READY / FATAL reports to the supervisor."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import threading
+
+import zmq
+
+from core.channel import Sender
+from core.config import CONFIG_ENV, EngineConfig, decode_config
+from core.messages import ControlMessage, Fatal, Ready
+
+# ipc socket names inside the run directory; the receiving side binds
+CORE_IN = "core_in"  # frontends and detokenizer -> core
+RUNNER_IN = "runner_in"  # core -> gpu_runner
+RUNNER_OUT = "runner_out"  # gpu_runner -> core
+DETOK_IN = "detok_in"  # core -> detokenizer
+CONTROL = "control"  # every process -> supervisor
+
+
+def frontend_socket(frontend_id: int) -> str:
+    return f"frontend_{frontend_id}"
+
+
+_stop = threading.Event()
+
+
+def stop_requested() -> bool:
+    """True once SIGTERM arrived or the parent died; busy loops check it between steps."""
+    return _stop.is_set()
+
+
+def _die_with_parent() -> None:
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def child_setup(role: str) -> EngineConfig:
+    """Call first in a child: returns the config and arms signals. SIGINT is the supervisor's."""
+    config = decode_config(os.environ[CONFIG_ENV])
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: _stop.set())
+    return config
+
+
+class ControlReporter:
+    """Sends READY and FATAL to the supervisor's control socket."""
+
+    def __init__(self, ctx: zmq.Context, config: EngineConfig, role: str) -> None:
+        self.role = role
+        self._sender: Sender[ControlMessage] = Sender(ctx, config.ipc(CONTROL))
+
+    def ready(self, **info: int) -> None:
+        self._sender.send(Ready(role=self.role, pid=os.getpid(), info=info))
+
+    def fatal(self, message: str) -> None:
+        self._sender.send(Fatal(role=self.role, message=message))
+
+    def close(self) -> None:
+        self._sender.socket.close(linger=500)

@@ -1,0 +1,1 @@
+"""Incremental detokenization, stop strings with hold-back, logprob text."""

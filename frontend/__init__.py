@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP frontend: validation, chat templates, tokenization, streaming."""

@@ -1,0 +1,1 @@
+"""The device process: weights, paged KV cache, persistent batch, sampler."""

@@ -1,0 +1,1 @@
+"""Shared-memory rings for arrays that cross processes every step."""
