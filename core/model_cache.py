@@ -60,3 +60,7 @@ def default_model_path(root: Path | None = None) -> Path:
         os.replace(part, target)  # atomic: a half-written file is never seen
     print(f"gapless: default model ready at {target}", file=sys.stderr, flush=True)
     return target
+
+
+if __name__ == "__main__":
+    print(default_model_path())

@@ -118,6 +118,8 @@ class LlamaModel(nn.Module):
         self.register_buffer("inv_freq", rope_inv_freq(arch), persistent=False)
 
     def load(self, weights: dict[str, torch.Tensor]) -> None:
+        if self.arch.tie_word_embeddings:  # why again: to_empty() gives each module its own tensor
+            self.lm_head.weight = self.model.embed_tokens.weight
         missing, unexpected = self.load_state_dict(weights, strict=False)
         missing = [
             m for m in missing if not (m == "lm_head.weight" and self.arch.tie_word_embeddings)

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -11,3 +12,31 @@ from core.model_cache import default_model_path
 def default_gguf() -> Path:
     """The default SmolLM2 GGUF, fetched into the cache on first use."""
     return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, default_gguf) -> Path:
+    """A tiny random Llama as a Hugging Face directory, with SmolLM2's real tokenizer."""
+    import torch
+    import transformers
+
+    from core.model_files import load_tokenizer, resolve_model
+
+    info = resolve_model(str(default_gguf))
+    out = tmp_path_factory.mktemp("tiny-llama")
+    torch.manual_seed(1234)
+    cfg = transformers.LlamaConfig(
+        vocab_size=info.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+        rope_theta=10000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+    )
+    model = transformers.LlamaForCausalLM(cfg)
+    with torch.no_grad():  # sharper logits than the default init, so greedy has clear winners
+        model.model.embed_tokens.weight.normal_(0, 1.0)
+    model.save_pretrained(out, safe_serialization=True)
+    load_tokenizer(info).save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "chat_template": info.chat_template, "eos_token": "<|im_end|>",
+        "bos_token": "<|im_start|>", "add_bos_token": False,
+    }))
+    return out

@@ -1,0 +1,36 @@
+# The two commands a fresh machine needs: `make serve` and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: setup model serve test bench lint clean
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# torch first, pinned: the CPU build; an unpinned torch would pull a multi-GB CUDA build
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[test,bench]'
+	touch $@
+
+setup: $(VENV)/.installed
+
+model: setup
+	@$(PY) -m core.model_cache >/dev/null
+
+serve: model
+	$(VENV)/bin/gapless serve $(ARGS)
+
+test: model
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+bench: model
+	$(PY) -m pytest tests -k bench --benchmark-enable --benchmark-only $(PYTEST_ARGS)
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

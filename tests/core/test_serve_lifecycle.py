@@ -1,0 +1,119 @@
+"""`gapless serve` as a whole: READY, disconnects, a dying process, SIGTERM, nothing left over."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.server import Server
+
+pytestmark = pytest.mark.slow
+
+LONG = {"model": "tiny", "prompt": "count with me", "max_tokens": 1500, "ignore_eos": True,
+        "temperature": 0, "stream": True}
+
+
+def _serve(model_dir, *extra):
+    return Server("--model", str(model_dir), "--dtype", "float32", "--served-model-name", "tiny",
+                  "--max-model-len", "2048", *extra)
+
+
+def _stats(server, headers=None) -> dict:
+    return httpx.get(server.url + "/v1/engine/stats", headers=headers, timeout=10).json()
+
+
+def _shm_segments() -> set[str]:
+    return {p.name for p in Path("/dev/shm").glob("gapless*")} if Path("/dev/shm").exists() else set()
+
+
+def test_api_key_and_disconnect_frees_kv(tiny_model_dir):
+    s = _serve(tiny_model_dir, "--api-key", "sekrit")
+    try:
+        auth = {"Authorization": "Bearer sekrit"}
+        assert httpx.get(s.url + "/health").status_code == 200
+        r = httpx.post(s.url + "/v1/completions", json={"model": "tiny", "prompt": "x"})
+        assert r.status_code == 401
+        r = httpx.post(s.url + "/v1/completions", json={"model": "tiny", "prompt": "x"},
+                       headers={"Authorization": "Bearer wrong"})
+        assert r.status_code == 401
+        idle = _stats(s, auth)
+        assert idle["num_free_blocks"] == idle["num_total_blocks"]
+        with httpx.stream("POST", s.url + "/v1/completions", json=LONG, headers=auth,
+                          timeout=30) as resp:
+            assert resp.status_code == 200
+            lines = resp.iter_lines()
+            for _ in range(5):
+                next(lines)
+            busy = _stats(s, auth)
+            assert busy["num_free_blocks"] < idle["num_free_blocks"]
+        # the client went away mid-stream: its blocks come back within a second
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline and _stats(s, auth)["num_free_blocks"] != idle["num_free_blocks"]:
+            time.sleep(0.05)
+        after = _stats(s, auth)
+        assert after["num_free_blocks"] == idle["num_free_blocks"] and after["num_running"] == 0
+    finally:
+        assert s.stop() == 0, s.read_log()
+
+
+def test_sigterm_drains_in_flight_requests_and_leaves_nothing(tiny_model_dir):
+    before = _shm_segments()
+    s = _serve(tiny_model_dir)
+    run_dir = s.run_dir()
+    assert run_dir and os.path.isdir(run_dir) and (os.stat(run_dir).st_mode & 0o777) == 0o700
+    body = dict(LONG, max_tokens=300)
+    result: dict = {}
+
+    def stream() -> None:
+        with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=60) as resp:
+            chunks = [line for line in resp.iter_lines() if line.startswith("data: {")]
+            result["finish"] = json.loads(chunks[-1][6:])["choices"][0]["finish_reason"]
+            result["n"] = len(chunks)
+
+    t = threading.Thread(target=stream)
+    t.start()
+    time.sleep(0.5)
+    s.proc.send_signal(signal.SIGTERM)
+    t.join(60)
+    assert s.proc.wait(60) == 0, s.read_log()
+    assert result.get("finish") == "length", result
+    assert not os.path.exists(run_dir), "the run directory is removed at exit"
+    assert _shm_segments() <= before
+
+
+def test_killed_runner_ends_streams_with_an_error_and_serve_exits(tiny_model_dir):
+    s = _serve(tiny_model_dir)
+    run_dir = s.run_dir()
+    events: list = []
+    done = threading.Event()
+
+    def stream() -> None:
+        try:
+            with httpx.stream("POST", s.url + "/v1/completions", json=LONG, timeout=30) as resp:
+                for line in resp.iter_lines():
+                    events.append(line)
+        except httpx.HTTPError as e:
+            events.append(f"transport error: {e}")
+        done.set()
+
+    t = threading.Thread(target=stream)
+    t.start()
+    while len(events) < 3:
+        time.sleep(0.01)
+    runner = s.child_pids()["gapless-runner"]
+    killed_at = time.monotonic()
+    os.kill(runner, signal.SIGKILL)
+    assert done.wait(5), "the stream ended within 5 s"
+    assert time.monotonic() - killed_at < 5
+    assert any('"error"' in e for e in events), events[-3:]
+    assert httpx.get(s.url + "/health", timeout=2).status_code == 503
+    assert s.proc.wait(30) != 0, "serve exits non-zero when the engine dies"
+    s.read_log()
+    assert not os.path.exists(run_dir)

@@ -1,0 +1,62 @@
+"""Builders of detokenizer inputs for tests."""
+
+from __future__ import annotations
+
+from core.messages import DetokNew, SamplingParams, TextDelta, TokenBatch
+from detokenizer.state import DetokenizerState, Outbox
+
+EOS = 2  # <|im_end|>
+ASSISTANT_TAIL = [1, 520, 9531, 198]  # "<|im_start|>assistant\n"
+
+
+def make_new(
+    request_id: str = "r0", frontend_id: int = 0, prompt_tail: list[int] | None = None, **params
+) -> DetokNew:
+    params.setdefault("max_tokens", 1000)
+    tail = ASSISTANT_TAIL if prompt_tail is None else prompt_tail
+    return DetokNew(request_id, frontend_id, SamplingParams(**params), tail)
+
+
+def make_batch(entries: list[tuple[str, list[int], str]], num_prompt_tokens: int = 7, **arrays):
+    """entries: (request id, new token ids, finish reason or "")."""
+    return TokenBatch(
+        request_ids=[e[0] for e in entries],
+        counts=[len(e[1]) for e in entries],
+        token_ids=[t for e in entries for t in e[1]],
+        finish_reasons=[e[2] for e in entries],
+        num_prompt_tokens=[num_prompt_tokens] * len(entries),
+        **arrays,
+    )
+
+
+def step(state: DetokenizerState, entries: list[tuple[str, list[int], str]], **arrays) -> Outbox:
+    out = Outbox()
+    state.process(make_batch(entries, **arrays), out)
+    return out
+
+
+def chunks(ids: list[int], sizes: list[int]) -> list[list[int]]:
+    """ids cut into pieces of the given sizes, cycling through them."""
+    out, pos, k = [], 0, 0
+    while pos < len(ids):
+        out.append(ids[pos : pos + sizes[k % len(sizes)]])
+        pos += sizes[k % len(sizes)]
+        k += 1
+    return out
+
+
+def stream(
+    state: DetokenizerState, request_id: str, pieces: list[list[int]], finish: str = "length"
+) -> tuple[list[TextDelta], list[str]]:
+    """Feeds pieces one step each, the last step with finish; returns deltas and stop hits."""
+    deltas: list[TextDelta] = []
+    hits: list[str] = []
+    for k, piece in enumerate(pieces):
+        out = step(state, [(request_id, piece, finish if k == len(pieces) - 1 else "")])
+        deltas += [d for ds in out.deltas.values() for d in ds]
+        hits += out.stop_hits
+    return deltas, hits
+
+
+def text_of(deltas: list[TextDelta]) -> str:
+    return "".join(d.text for d in deltas)

@@ -1,0 +1,115 @@
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import msgspec
+import pytest
+import tokenizers
+
+from core.config import EngineConfig, ModelInfo
+from frontend.app import App
+from frontend.prompts import Prompter
+from frontend.state import FrontendState
+from tests.frontend.fake_engine import FakeEngine
+
+MODEL = "smol-test"
+MAX_MODEL_LEN = 256
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer(
+    default_gguf: Path, pytestconfig: pytest.Config
+) -> tuple[tokenizers.Tokenizer, str]:
+    """SmolLM2's tokenizer and ChatML template as transformers reads them from the GGUF.
+
+    Loading through transformers takes ~13 s, so its result is kept in pytest's cache, keyed
+    by the GGUF's size and mtime.
+    """
+    stat = default_gguf.stat()
+    key = f"{stat.st_size}-{int(stat.st_mtime)}"
+    cache = pytestconfig.cache.mkdir("gapless-frontend-tokenizer")
+    meta_path, tok_path = cache / "meta.json", cache / "tokenizer.json"
+    if meta_path.exists() and tok_path.exists():
+        meta = json.loads(meta_path.read_text())
+        if meta["key"] == key:
+            return tokenizers.Tokenizer.from_file(str(tok_path)), meta["chat_template"]
+    import transformers
+
+    hf = transformers.AutoTokenizer.from_pretrained(
+        str(default_gguf.parent), gguf_file=default_gguf.name
+    )
+    hf.backend_tokenizer.save(str(tok_path))
+    meta_path.write_text(json.dumps({"key": key, "chat_template": hf.chat_template}))
+    return hf.backend_tokenizer, hf.chat_template
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="session")
+def make_config(
+    hf_tokenizer: tuple[tokenizers.Tokenizer, str], default_gguf: Path
+) -> Callable[..., EngineConfig]:
+    """make_config(**overrides) -> EngineConfig; `model_overrides` changes ModelInfo fields."""
+    _, template = hf_tokenizer
+
+    def make(model_overrides: dict[str, Any] | None = None, **overrides: Any) -> EngineConfig:
+        info = ModelInfo(
+            path=str(default_gguf),
+            architecture="llama",
+            vocab_size=49152,
+            max_model_len=MAX_MODEL_LEN,
+            eos_token_ids=(2,),
+            bos_token_id=1,
+            add_bos_token=False,
+            chat_template=template,
+        )
+        info = msgspec.structs.replace(info, **(model_overrides or {}))
+        fields = {"served_model_name": MODEL, "max_n": 4, "max_logprobs": 5, **overrides}
+        return EngineConfig(model=info, **fields)
+
+    return make
+
+
+@pytest.fixture
+def config(make_config: Callable[..., EngineConfig]) -> EngineConfig:
+    return make_config()
+
+
+@pytest.fixture
+def engine(hf_tokenizer: tuple[tokenizers.Tokenizer, str]) -> FakeEngine:
+    return FakeEngine(hf_tokenizer[0])
+
+
+def build_app(config: EngineConfig, engine: FakeEngine) -> App:
+    return App(FrontendState(config, engine, Prompter(engine.tokenizer, config)))
+
+
+@pytest.fixture
+def app(config: EngineConfig, engine: FakeEngine) -> App:
+    return build_app(config, engine)
+
+
+@pytest.fixture
+async def client(app: App) -> AsyncIterator[httpx.AsyncClient]:
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+        yield c
+
+
+def sse_events(body: str) -> list[Any]:
+    """The JSON of every `data:` event, then the literal "[DONE]" if it came."""
+    events: list[Any] = []
+    for block in body.split("\n\n"):
+        if not block.strip():
+            continue
+        assert block.startswith("data: "), block
+        data = block[len("data: ") :]
+        events.append(data if data == "[DONE]" else json.loads(data))
+    return events

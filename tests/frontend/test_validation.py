@@ -1,0 +1,197 @@
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import pytest
+
+from frontend.http import HttpRequest, Responder
+from tests.frontend.conftest import build_app
+
+pytestmark = pytest.mark.anyio
+
+USER = [{"role": "user", "content": "hi"}]
+LONG = "word " * 300  # > 256 tokens, the test context length
+
+COMPLETION_CASES: list[tuple[Any, int, str | None]] = [
+    ({}, 400, "prompt"),
+    ({"prompt": 5}, 400, "prompt"),
+    ({"prompt": ""}, 400, "prompt"),
+    ({"prompt": []}, 400, "prompt"),
+    ({"prompt": ["a", "b"]}, 400, "prompt"),
+    ({"prompt": [[1], [2]]}, 400, "prompt"),
+    ({"prompt": [1, "a"]}, 400, "prompt"),
+    ({"prompt": [49152]}, 400, "prompt"),
+    ({"prompt": [-1]}, 400, "prompt"),
+    ({"prompt": LONG}, 400, "prompt"),
+    ({"prompt": "hi", "max_tokens": "x"}, 400, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": -3}, 400, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": 10**30}, 400, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": 256}, 400, "max_tokens"),
+    ({"prompt": "hi", "n": 0}, 400, "n"),
+    ({"prompt": "hi", "n": 5}, 400, "n"),
+    ({"prompt": "hi", "n": 1.5}, 400, "n"),
+    ({"prompt": "hi", "logprobs": 6}, 400, "logprobs"),
+    ({"prompt": "hi", "logprobs": -1}, 400, "logprobs"),
+    ({"prompt": "hi", "temperature": -0.1}, 400, "temperature"),
+    ({"prompt": "hi", "temperature": 2.5}, 400, "temperature"),
+    ({"prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ({"prompt": "hi", "top_p": 1.5}, 400, "top_p"),
+    ({"prompt": "hi", "top_k": -2}, 400, "top_k"),
+    ({"prompt": "hi", "min_p": 2}, 400, "min_p"),
+    ({"prompt": "hi", "presence_penalty": 3}, 400, "presence_penalty"),
+    ({"prompt": "hi", "frequency_penalty": -3}, 400, "frequency_penalty"),
+    ({"prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    ({"prompt": "hi", "stop": ["s"] * 17}, 400, "stop"),
+    ({"prompt": "hi", "stop": [""]}, 400, "stop"),
+    ({"prompt": "hi", "stop": 3}, 400, "stop"),
+    ({"prompt": "hi", "stop_token_ids": [99999]}, 400, "stop_token_ids"),
+    ({"prompt": "hi", "seed": 2**64}, 400, "seed"),
+    ({"prompt": "hi", "stream": "yes"}, 400, "stream"),
+    ({"prompt": "hi", "priority": "urgent"}, 400, "priority"),
+    ({"prompt": "hi", "echo": True}, 400, "echo"),
+    ({"prompt": "hi", "user": "u" * 300}, 400, "user"),
+    ({"prompt": "hi", "model": "gpt-4"}, 404, "model"),
+    ([1, 2], 400, None),
+]
+
+CHAT_CASES: list[tuple[Any, int, str | None]] = [
+    ({}, 400, "messages"),
+    ({"messages": []}, 400, "messages"),
+    ({"messages": [{"content": "x"}]}, 400, "messages[0].role"),
+    ({"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role"),
+    ({"messages": [USER[0], {"role": "user", "content": 5}]}, 400, "messages[1].content"),
+    (
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]},
+        400,
+        "messages[0].content[0].type",
+    ),
+    ({"messages": [{"role": "user", "content": LONG}]}, 400, "messages"),
+    ({"messages": USER, "top_logprobs": 2}, 400, "top_logprobs"),
+    ({"messages": USER, "logprobs": True, "top_logprobs": 6}, 400, "top_logprobs"),
+    ({"messages": USER, "logprobs": 1}, 400, "logprobs"),
+    ({"messages": USER, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
+    ({"messages": USER, "max_tokens": 250}, 400, "max_tokens"),
+    ({"messages": USER, "n": 9}, 400, "n"),
+    ({"messages": USER, "temperature": 3}, 400, "temperature"),
+    ({"messages": USER, "model": "nope"}, 404, "model"),
+]
+
+
+def _check_error(
+    r: httpx.Response, status: int, param: str | None, *, named: bool = True
+) -> dict[str, Any]:
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param, error
+    assert error["type"] == ("invalid_request_error" if status < 500 else "server_error")
+    if param is not None and named:
+        assert param.split("[")[0].split(".")[0] in error["message"] or param in error["message"]
+    return error
+
+
+@pytest.mark.parametrize(("body", "status", "param"), COMPLETION_CASES)
+async def test_completion_rejects(client: httpx.AsyncClient, engine, body, status, param) -> None:
+    _check_error(await client.post("/v1/completions", json=body), status, param)
+    assert engine.added == []
+
+
+@pytest.mark.parametrize(("body", "status", "param"), CHAT_CASES)
+async def test_chat_rejects(client: httpx.AsyncClient, engine, body, status, param) -> None:
+    _check_error(await client.post("/v1/chat/completions", json=body), status, param)
+    assert engine.added == []
+
+
+async def test_malformed_json(client: httpx.AsyncClient) -> None:
+    r = await client.post("/v1/completions", content=b'{"prompt": "a",')
+    assert _check_error(r, 400, None)["code"] == "invalid_json"
+
+
+async def test_routes_404_405(client: httpx.AsyncClient) -> None:
+    assert _check_error(await client.get("/v2/nothing"), 404, None)["code"] == "not_found"
+    r = await client.get("/v1/completions")
+    assert _check_error(r, 405, None)["code"] == "method_not_allowed"
+    assert r.headers["allow"] == "POST"
+
+
+async def test_body_too_large(make_config, engine) -> None:
+    app = build_app(make_config(max_body_bytes=1000), engine)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+        r = await c.post("/v1/completions", json={"prompt": "x" * 2000})
+        assert _check_error(r, 413, None)["code"] == "body_too_large"
+
+    # no content-length: the streamed size is what counts
+    chunks = [{"type": "http.request", "body": b"x" * 600, "more_body": True}] * 3
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return chunks.pop(0)
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}
+    await app(scope, receive, send)
+    assert sent[0]["status"] == 413 and len(chunks) == 1
+
+
+async def test_api_key(make_config, engine) -> None:
+    app = build_app(make_config(api_key="sekret"), engine)
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+        assert (await c.get("/health")).status_code == 200
+        for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": "Basic sekret"}):
+            r = await c.get("/v1/models", headers=headers)
+            assert _check_error(r, 401, None)["code"] == "invalid_api_key"
+            r = await c.post("/v1/completions", headers=headers, json={"prompt": "a"})
+            assert r.status_code == 401
+        good = {"authorization": "Bearer sekret"}
+        assert (await c.get("/v1/models", headers=good)).status_code == 200
+        r = await c.post("/v1/completions", headers=good, json={"prompt": "a", "max_tokens": 1})
+        assert r.status_code == 200
+    assert engine.added[0].tenant.startswith("key-")  # the key's identity, not the key
+    assert "sekret" not in engine.added[0].tenant
+
+
+async def test_chat_template_failures(make_config, engine) -> None:
+    cases = {
+        "{{ raise_exception('no system role') }}": "no system role",
+        "{{ messages.__class__.__mro__ }}": "unsafe",
+        "{% for i in range(100000) %}{% for j in range(100000) %}{% set x = i %}"
+        "{% endfor %}{% endfor %}": "longer than",
+        "{% for m in messages %}": "does not compile",
+        None: "no chat template",
+    }
+    for template, words in cases.items():
+        config = make_config(
+            model_overrides={"chat_template": template}, chat_template_timeout_s=0.2
+        )
+        app = build_app(config, engine)
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            r = await c.post("/v1/chat/completions", json={"messages": USER})
+        error = _check_error(
+            r, 400, "messages", named=words not in ("does not compile", "no chat template")
+        )
+        assert words in error["message"], (template, error)
+
+
+async def test_internal_error_is_500_for_that_request_only(
+    client: httpx.AsyncClient, app, monkeypatch
+) -> None:
+    async def broken(prompt):
+        raise RuntimeError("bug")
+
+    monkeypatch.setattr(app.state.prompter, "completion_ids", broken)
+    r = await client.post("/v1/completions", json={"prompt": "a"})
+    assert _check_error(r, 500, None)["code"] == "internal_error"
+    monkeypatch.undo()
+    r = await client.post("/v1/completions", json={"prompt": "a", "max_tokens": 1})
+    assert r.status_code == 200
+
+
+def test_request_head_keeps_last_header() -> None:
+    scope = {"method": "GET", "path": "/", "headers": [(b"x-tenant", b"a"), (b"x-tenant", b"b")]}
+    assert HttpRequest(scope, None).headers["x-tenant"] == "b"  # type: ignore[arg-type]
+    assert not Responder(None).started  # type: ignore[arg-type]

@@ -1,0 +1,77 @@
+"""Start `gapless serve` as a real subprocess for whole-system tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, *args: str, startup_timeout: float = 180.0) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "core.cli", "serve", "--port", str(self.port), *args],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        self.log: list[str] = []
+        deadline = time.monotonic() + startup_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError("gapless serve exited during startup:\n" + self.read_log())
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        self.stop()
+        raise RuntimeError("gapless serve did not become healthy:\n" + self.read_log())
+
+    def read_log(self) -> str:
+        if self.proc.poll() is not None and self.proc.stdout:
+            self.log.append(self.proc.stdout.read())
+        return "".join(self.log)
+
+    def run_dir(self) -> str | None:
+        """The run directory of this server, found by its supervisor's pid."""
+        import tempfile
+
+        for p in Path(tempfile.gettempdir()).glob(f"gapless-{self.proc.pid}-*"):
+            return str(p)
+        return None
+
+    def child_pids(self) -> dict[str, int]:
+        out = {}
+        for line in subprocess.run(["ps", "-o", "pid=,comm=", "--ppid", str(self.proc.pid)],
+                                   capture_output=True, text=True).stdout.splitlines():
+            pid, comm = line.split(None, 1)
+            out[comm.strip()] = int(pid)
+        return out
+
+    def stop(self, timeout: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.read_log()
+        return self.proc.returncode
