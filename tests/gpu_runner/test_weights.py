@@ -24,7 +24,10 @@ def _tiny_dir(path: Path, tie: bool, vocab_size: int = 96) -> dict[str, torch.Te
     )
     model = transformers.LlamaForCausalLM(config)
     model.save_pretrained(path, safe_serialization=True)
-    tokenizer = {"version": "1.0", "model": {"type": "WordLevel", "vocab": {"a": 0}, "unk_token": "a"}}
+    tokenizer = {
+        "version": "1.0",
+        "model": {"type": "WordLevel", "vocab": {"a": 0}, "unk_token": "a"},
+    }
     (path / "tokenizer.json").write_text(json.dumps(tokenizer))
     return model.state_dict()
 
