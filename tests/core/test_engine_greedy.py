@@ -38,7 +38,7 @@ GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     [
         dict(),  # roomy: everything batched together
         dict(max_num_batched_tokens=16),  # chunked prefill mixed with decodes
-        dict(max_num_batched_tokens=32, kv_cache_memory=24 * 4096, block_size=4),  # preemption
+        dict(max_num_batched_tokens=32, kv_cache_memory=12 * 4096, block_size=4),  # preemption
     ],
     ids=["roomy", "chunked", "preempting"],
 )
