@@ -80,9 +80,10 @@ class EngineCore:
                     if req is not None and self.scheduler.finish(req, "abort"):
                         self._ended.append((rid, "abort"))
             case StopHit(request_id=rid):
+                # the detokenizer already sent the final text; this entry lets it forget the request
                 req = self.scheduler.requests.get(rid)
-                if req is not None:
-                    self.scheduler.finish(req, "stop")
+                if req is not None and self.scheduler.finish(req, "stop"):
+                    self._ended.append((rid, "stop"))
             case GetStats(frontend_id=fid, token=token):
                 s = self.scheduler
                 self.frontends[fid].send(

@@ -21,8 +21,10 @@ class StepInputs:
     meta: AttnMetadata
     logit_rows: torch.Tensor  # [B_s] long: last row of each sampling entry
     sample_slots: torch.Tensor  # [B_s] long
+    sample_slots_host: np.ndarray  # [B_s] int64, the same on the host
     sample_positions: torch.Tensor  # [B_s] long: position the sampled token will take
     fed_slots: torch.Tensor  # [F] long: slot of each host-fed token (penalty bookkeeping)
+    fed_slots_host: np.ndarray  # [F] int64
     fed_positions: torch.Tensor  # [F] long
     fed_ids: torch.Tensor  # [F] long
     num_tokens: int
@@ -122,8 +124,10 @@ class PersistentBatch:
             meta=meta,
             logit_rows=torch.as_tensor(ends[sample] - 1, device=self.device),
             sample_slots=torch.as_tensor(slots[sample], device=self.device),
+            sample_slots_host=slots[sample],
             sample_positions=torch.as_tensor(ctx_len[sample], device=self.device),
             fed_slots=torch.as_tensor(tok_slot[fed_rows], device=self.device),
+            fed_slots_host=tok_slot[fed_rows],
             fed_positions=torch.as_tensor(positions[fed_rows], device=self.device),
             fed_ids=fed_ids,
             num_tokens=t,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
 from core.config import EngineConfig
@@ -65,6 +66,7 @@ class ModelRunner:
             max_logprobs=config.max_logprobs,
             seed=config.seed,
         )
+        self.num_logprobs = np.full(config.max_num_seqs, -1, dtype=np.int64)  # -1: not asked
         self.last_seq = 0
 
     @torch.inference_mode()
@@ -78,6 +80,8 @@ class ModelRunner:
         for new in plan.new_slots:
             self.batch.add(new.slot)
             self.sampler.add(new.slot, new.params, new.num_prompt_tokens)
+            lp = new.params.logprobs
+            self.num_logprobs[new.slot] = -1 if lp is None else min(lp, self.config.max_logprobs)
         if not plan.slots:
             now = time.perf_counter()
             return StepResult(
@@ -94,24 +98,25 @@ class ModelRunner:
         logits = self.model(inp.input_ids, inp.positions, self.kv_cache, inp.meta, inp.logit_rows)
         forwarded = time.perf_counter()
         if inp.fed_ids.numel():
-            self.sampler.record(inp.fed_slots, inp.fed_positions, inp.fed_ids)
-        out = self.sampler.sample(logits, inp.sample_slots, inp.sample_positions)
+            self.sampler.record(inp.fed_slots, inp.fed_positions, inp.fed_ids, inp.fed_slots_host)
+        host = inp.sample_slots_host
+        out = self.sampler.sample(logits, inp.sample_slots, inp.sample_positions, host)
         self.batch.last_token[inp.sample_slots] = out.token_ids
-        self.sampler.record(inp.sample_slots, inp.sample_positions, out.token_ids)
+        self.sampler.record(inp.sample_slots, inp.sample_positions, out.token_ids, host)
         ids = out.token_ids.tolist()
         device_end = time.perf_counter()
         result = StepResult(
             seq=plan.seq, token_ids=ids, logprobs=[], top_counts=[], top_ids=[], top_logprobs=[]
         )
-        if out.logprobs is not None and self.sampler.any_logprobs(inp.sample_slots):
+        if out.logprobs is not None:
+            k = np.maximum(self.num_logprobs[host], 0)  # [B_s] top entries each row asked for
             result.logprobs = out.logprobs.tolist()
-            k = self.sampler.num_top(inp.sample_slots)  # [B_s] host ints
-            result.top_counts = k
-            if out.top_ids is not None and out.top_ids.numel():
-                top_ids, top_lp = out.top_ids.tolist(), out.top_logprobs.tolist()
-                for row, kk in enumerate(k):
-                    result.top_ids.extend(top_ids[row][:kk])
-                    result.top_logprobs.extend(top_lp[row][:kk])
+            result.top_counts = k.tolist()
+            if k.any():
+                keep = np.arange(out.top_ids.shape[1])[None, :] < k[:, None]  # [B_s, K]
+                keep_t = torch.as_tensor(keep)
+                result.top_ids = out.top_ids[keep_t].tolist()
+                result.top_logprobs = out.top_logprobs[keep_t].tolist()
         result.timing = StepTiming(
             plan_received=received,
             launched=launched,

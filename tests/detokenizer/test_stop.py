@@ -66,7 +66,7 @@ def test_random_chunkings_match_a_plain_search(include: bool):
         if any(s != t and s in t for s in stops for t in stops):
             continue  # nested stops: which one wins depends on chunking, by design
         cuts = sorted(rng.sample(range(len(text) + 1), min(len(text) + 1, rng.randint(0, 8))))
-        pieces = [text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)])]
+        pieces = [text[i:j] for i, j in zip([0, *cuts], [*cuts, len(text)], strict=True)]
         found = [(text.find(s), s) for s in stops if s in text]
         if found:
             i, s = min(found)
