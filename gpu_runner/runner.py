@@ -11,7 +11,7 @@ from core.config import EngineConfig
 from core.messages import StepPlan, StepResult, StepTiming
 from core.model_files import ModelArch, load_arch
 from gpu_runner.batch import PersistentBatch
-from gpu_runner.model import LlamaModel
+from gpu_runner.model import LlamaModel, rope_inv_freq
 from gpu_runner.sampler import SamplerState
 from gpu_runner.weights import load_weights
 
@@ -40,7 +40,7 @@ class ModelRunner:
             model = LlamaModel(arch)
         model = model.to_empty(device=self.device).to(self.dtype)
         model.load(load_weights(config.model, arch, self.dtype))
-        model.inv_freq = model.inv_freq.float().to(self.device)
+        model.inv_freq = rope_inv_freq(arch).to(self.device)  # buffers made on meta hold garbage
         self.model = model.eval()
         self.num_blocks = num_kv_blocks(arch, config, self.dtype)
         assert self.num_blocks >= 2, "--kv-cache-memory holds less than one KV block"
