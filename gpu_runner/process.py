@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 import traceback
+from collections import deque
 
 import zmq
 
@@ -12,25 +13,45 @@ from core.config import EngineConfig
 from core.messages import RunnerInput, RunnerOutput, RunnerReady, Shutdown, StepPlan
 from core.process import RUNNER_IN, RUNNER_OUT, ControlReporter, stop_requested
 
+IDLE_POLL_MS = 100
+
 
 def run_gpu_runner(config: EngineConfig) -> None:
-    """Loads the model, reports its KV capacity, then runs plans strictly in order."""
+    """Loads the model, reports its KV capacity, then runs plans strictly in order.
+
+    The loop launches every plan that has arrived before it publishes the oldest finished
+    step, so a plan for step n+1 reaches the device while step n's ids are still being copied.
+    """
     ctx = zmq.Context()
     control = ControlReporter(ctx, config, "gpu_runner")
     plans: Receiver[RunnerInput] = Receiver(ctx, config.ipc(RUNNER_IN), RunnerInput)
     results: Sender[RunnerOutput] = Sender(ctx, config.ipc(RUNNER_OUT))
     try:
-        from gpu_runner.runner import ModelRunner
+        from gpu_runner.backend import make_backend
 
-        runner = ModelRunner(config)
-        results.send(RunnerReady(num_kv_blocks=runner.num_blocks, max_num_seqs=config.max_num_seqs))
-        control.ready(num_kv_blocks=runner.num_blocks)
+        backend = make_backend(config)
+        results.send(RunnerReady(num_kv_blocks=backend.num_blocks, max_num_seqs=config.max_num_seqs))
+        control.ready(num_kv_blocks=backend.num_blocks)
+        inflight: deque = deque()
         while not stop_requested():
-            match plans.recv(timeout_ms=100):
-                case StepPlan() as plan:
-                    results.send(runner.execute(plan))
-                case Shutdown():
-                    break
+            # 1. launch every plan that is waiting, without blocking
+            if inflight:
+                wait_s = backend.seconds_until_ready(inflight[0])
+                timeout_ms = 0 if wait_s <= 0 else max(1, min(IDLE_POLL_MS, int(wait_s * 1000)))
+            else:
+                timeout_ms = IDLE_POLL_MS
+            msg = plans.recv(timeout_ms=timeout_ms)
+            if isinstance(msg, Shutdown):
+                break
+            if isinstance(msg, StepPlan):
+                inflight.append(backend.launch(msg))
+                for more in plans.drain():
+                    if isinstance(more, Shutdown):
+                        return
+                    inflight.append(backend.launch(more))
+            # 2. publish the oldest step once its ids are on the host
+            if inflight and backend.seconds_until_ready(inflight[0]) <= 0:
+                results.send(backend.collect(inflight.popleft()))
     except Exception as e:
         control.fatal(f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
         time.sleep(0.2)

@@ -69,6 +69,16 @@ class ModelRunner:
         self.num_logprobs = np.full(config.max_num_seqs, -1, dtype=np.int64)  # -1: not asked
         self.last_seq = 0
 
+    # the Backend contract: on cpu a launch runs the whole step, so it is ready at once
+    def launch(self, plan: StepPlan) -> StepResult:
+        return self.execute(plan)
+
+    def seconds_until_ready(self, handle: StepResult) -> float:
+        return 0.0
+
+    def collect(self, handle: StepResult) -> StepResult:
+        return handle
+
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
         received = time.perf_counter()

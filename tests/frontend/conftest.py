@@ -22,16 +22,19 @@ MAX_MODEL_LEN = 256
 
 @pytest.fixture(scope="session")
 def hf_tokenizer(
-    default_gguf: Path, pytestconfig: pytest.Config
+    default_gguf: Path, pytestconfig: pytest.Config, tmp_path_factory: pytest.TempPathFactory
 ) -> tuple[tokenizers.Tokenizer, str]:
     """SmolLM2's tokenizer and ChatML template as transformers reads them from the GGUF.
 
-    Loading through transformers takes ~13 s, so its result is kept in pytest's cache, keyed
-    by the GGUF's size and mtime.
+    Loading through transformers takes ~13 s, so its result is kept in pytest's cache (when the
+    cache plugin is on), keyed by the GGUF's size and mtime.
     """
     stat = default_gguf.stat()
     key = f"{stat.st_size}-{int(stat.st_mtime)}"
-    cache = pytestconfig.cache.mkdir("gapless-frontend-tokenizer")
+    if getattr(pytestconfig, "cache", None) is not None:
+        cache = pytestconfig.cache.mkdir("gapless-frontend-tokenizer")
+    else:
+        cache = tmp_path_factory.mktemp("tokenizer")
     meta_path, tok_path = cache / "meta.json", cache / "tokenizer.json"
     if meta_path.exists() and tok_path.exists():
         meta = json.loads(meta_path.read_text())

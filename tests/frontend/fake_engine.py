@@ -31,7 +31,8 @@ class FakeEngine(EngineClient):
         self.added: list[AddRequest] = []
         self.aborted: list[str] = []
         self.delay_s = 0.0  # between deltas
-        self.finish_with: str | None = None  # "error" or "abort": the first delta ends so
+        self.finish_with: str | None = None  # "error" or "abort": delta number fail_at ends so
+        self.fail_at = 0
         self.gate: asyncio.Event | None = None  # when set: deltas wait for it after the first
         self._tasks: dict[str, asyncio.Task[None]] = {}
 
@@ -62,7 +63,7 @@ class FakeEngine(EngineClient):
             if i == 1 and self.gate is not None:
                 await self.gate.wait()
             finish = None
-            if self.finish_with is not None:
+            if self.finish_with is not None and i == self.fail_at:
                 finish = self.finish_with
             elif i + 1 == params.max_tokens:
                 finish = "length"

@@ -74,7 +74,11 @@ async def test_finished_request_sends_no_abort(client: httpx.AsyncClient, engine
 
 async def test_engine_death_mid_stream(app: App, engine: FakeEngine, client) -> None:
     engine.gate = asyncio.Event()
-    call = Call(app, "/v1/chat/completions", {"messages": [{"role": "user", "content": "a b"}], "stream": True})
+    call = Call(
+        app,
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "a b"}], "stream": True},
+    )
     await call.next_body()  # the role chunk
     engine.die("core crashed")
     await asyncio.wait_for(call.task, 1)
@@ -90,37 +94,39 @@ async def test_engine_death_mid_stream(app: App, engine: FakeEngine, client) -> 
     assert r.status_code == 503 and r.json()["status"] == "dead"
     r = await client.post("/v1/completions", json={"prompt": "hi"})
     assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"
-    r = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]})
+    r = await client.post(
+        "/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}]}
+    )
     assert r.status_code == 503
 
 
-async def test_engine_death_before_first_token(app: App, engine: FakeEngine) -> None:
+@pytest.mark.parametrize("stream", [True, False])
+async def test_engine_death_before_first_token(app: App, engine: FakeEngine, stream) -> None:
     engine.delay_s = 10
-    for stream in (True, False):
-        call = Call(app, "/v1/completions", {"prompt": "a", "stream": stream})
-        await _eventually(lambda: engine.num_in_flight == 1)
-        if not stream:
-            engine.die("gone")
-        else:
-            engine.dispatch(__import__("core.messages").messages.EngineDead("gone"))
-        await asyncio.wait_for(call.task, 1)
-        start = await call.sent.get()
-        assert start["status"] == 503  # the stream had not started: a real status
-        engine.healthy = True  # revive the fake for the second round
-        engine.delay_s = 10
+    call = Call(app, "/v1/completions", {"prompt": "a", "stream": stream})
+    await _eventually(lambda: engine.num_in_flight == 1)
+    engine.die("gone")
+    await asyncio.wait_for(call.task, 1)
+    start = await call.sent.get()
+    assert start["status"] == 503  # nothing was streamed yet: a real status
 
 
 @pytest.mark.parametrize(("finish", "status"), [("error", 500), ("abort", 503)])
 async def test_engine_failure_of_one_request(client, engine: FakeEngine, finish, status) -> None:
     engine.finish_with = finish
-    r = await client.post("/v1/completions", json={"prompt": "a b"})
-    assert r.status_code == status
-    error = r.json()["error"]
-    assert error["type"] == "server_error"
-    if finish == "error":
-        assert "fake failure" in error["message"]
-    r = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "stream": True})
-    assert r.status_code == 200  # the role chunk went out before the failing delta
+    chat = {"messages": [{"role": "user", "content": "x y z"}], "stream": True}
+    for path, body in (("/v1/completions", {"prompt": "a b"}), ("/v1/chat/completions", chat)):
+        r = await client.post(path, json=body)
+        assert r.status_code == status
+        error = r.json()["error"]
+        assert error["type"] == "server_error"
+        if finish == "error":
+            assert "fake failure" in error["message"]
+
+    engine.fail_at = 1  # after one delta went out: the stream ends with an error event
+    r = await client.post("/v1/chat/completions", json=chat)
+    assert r.status_code == 200
     events = sse_events(r.text)
-    assert events[-1] == "[DONE]" and "error" in events[-2]
+    assert events[-1] == "[DONE]" and events[-2]["error"]["type"] == "server_error"
+    assert events[1]["choices"][0]["delta"]["content"] == "system"  # ChatML adds one
     assert (await client.get("/health")).status_code == 200  # one request, not the engine

@@ -5,7 +5,7 @@ from typing import Any
 import httpx
 import pytest
 
-from frontend.http import HttpRequest, Responder
+from frontend.asgi import HttpRequest
 from tests.frontend.conftest import build_app
 
 pytestmark = pytest.mark.anyio
@@ -194,4 +194,3 @@ async def test_internal_error_is_500_for_that_request_only(
 def test_request_head_keeps_last_header() -> None:
     scope = {"method": "GET", "path": "/", "headers": [(b"x-tenant", b"a"), (b"x-tenant", b"b")]}
     assert HttpRequest(scope, None).headers["x-tenant"] == "b"  # type: ignore[arg-type]
-    assert not Responder(None).started  # type: ignore[arg-type]

@@ -1,0 +1,149 @@
+"""The ASGI app: a small router, API-key check, and one error boundary per request."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import time
+from collections.abc import Awaitable, Callable
+
+import msgspec
+
+from frontend.asgi import ClientGone, HttpRequest, Receive, Responder, Scope, Send, encoder
+from frontend.chat import handle_chat
+from frontend.completions import handle_completions
+from frontend.engine_client import EngineDeadError
+from frontend.errors import ApiError
+from frontend.openapi import openapi_document
+from frontend.responses import Health, ModelCard, ModelList
+from frontend.state import FrontendState
+
+log = logging.getLogger("gapless.frontend")
+
+Handler = Callable[[HttpRequest, Responder, str], Awaitable[None]]
+OPEN_PATHS = frozenset({"/health"})  # answered without an API key
+
+
+class App:
+    """`await app(scope, receive, send)`; routes by exact path, then method."""
+
+    def __init__(self, state: FrontendState) -> None:
+        self.state = state
+        config = state.config
+        self._key = config.api_key.encode() if config.api_key else None
+        # tenant of a request that names none: who holds the key, not the key itself
+        self._key_identity = (
+            "key-" + hashlib.sha256(self._key).hexdigest()[:12] if self._key is not None else ""
+        )
+        self._created = int(time.time())
+        self._openapi = msgspec.Raw(encoder.encode(openapi_document("gapless", "0.1.0")))
+        self.routes: dict[str, dict[str, Handler]] = {
+            "/v1/completions": {"POST": self._completions},
+            "/v1/chat/completions": {"POST": self._chat},
+            "/v1/models": {"GET": self._models},
+            "/health": {"GET": self._health},
+            "/openapi.json": {"GET": self._openapi_json},
+            "/v1/engine/stats": {"GET": self._engine_stats},
+        }
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await _lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        req, out = HttpRequest(scope, receive), Responder(send)
+        try:
+            await self._route(req, out)
+        except ApiError as exc:
+            await out.error(exc)
+        except ClientGone:
+            pass
+        except Exception:
+            log.exception("request %s %s failed", req.method, req.path)
+            await out.error(
+                ApiError(500, "internal error while handling the request", code="internal_error")
+            )
+
+    async def _route(self, req: HttpRequest, out: Responder) -> None:
+        identity = "" if req.path in OPEN_PATHS else self._authorize(req)
+        methods = self.routes.get(req.path)
+        if methods is None:
+            raise ApiError(404, f"no route for {req.path}", code="not_found")
+        handler = methods.get(req.method)
+        if handler is None:
+            allow = ", ".join(sorted(methods)).encode()
+            raise ApiError(
+                405,
+                f"{req.method} is not allowed on {req.path}",
+                code="method_not_allowed",
+                headers=[(b"allow", allow)],
+            )
+        await handler(req, out, identity)
+
+    def _authorize(self, req: HttpRequest) -> str:
+        """The key holder's identity; 401 unless `Authorization: Bearer <key>` matches."""
+        if self._key is None:
+            return ""
+        scheme, _, token = req.headers.get("authorization", "").partition(" ")
+        given = token.strip().encode("latin-1")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given, self._key):
+            raise ApiError(
+                401,
+                "missing or wrong API key; send `Authorization: Bearer <key>`",
+                code="invalid_api_key",
+                headers=[(b"www-authenticate", b"Bearer")],
+            )
+        return self._key_identity
+
+    async def _completions(self, req: HttpRequest, out: Responder, identity: str) -> None:
+        await handle_completions(self.state, req, out, identity)
+
+    async def _chat(self, req: HttpRequest, out: Responder, identity: str) -> None:
+        await handle_chat(self.state, req, out, identity)
+
+    async def _models(self, req: HttpRequest, out: Responder, identity: str) -> None:
+        config = self.state.config
+        card = ModelCard(
+            id=config.served_model_name,
+            created=self._created,
+            max_model_len=config.model.max_model_len,
+        )
+        await out.json(200, ModelList(data=[card]))
+
+    async def _health(self, req: HttpRequest, out: Responder, identity: str) -> None:
+        engine = self.state.engine
+        if engine.healthy:
+            await out.json(200, Health("ok"))
+        else:
+            await out.json(503, Health("dead", engine.dead_reason))
+
+    async def _engine_stats(self, req: HttpRequest, out: Responder, identity: str) -> None:
+        """The core's queues and KV blocks right now."""
+        try:
+            stats = await self.state.engine.get_stats(timeout_s=2.0)
+        except (EngineDeadError, TimeoutError) as e:
+            raise ApiError(503, f"engine unavailable: {e}", code="engine_unavailable") from e
+        await out.json(
+            200,
+            {
+                "num_running": stats.num_running,
+                "num_waiting": stats.num_waiting,
+                "num_free_blocks": stats.num_free_blocks,
+                "num_total_blocks": stats.num_total_blocks,
+            },
+        )
+
+    async def _openapi_json(self, req: HttpRequest, out: Responder, identity: str) -> None:
+        await out.json(200, self._openapi)
+
+
+async def _lifespan(receive: Receive, send: Send) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return

@@ -1,0 +1,135 @@
+"""Raw ASGI plumbing: request head and bounded body, JSON and SSE responses, disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from typing import Any, TypeVar
+
+import msgspec
+
+from frontend.errors import ApiError
+
+Scope = dict[str, Any]
+Message = dict[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+T = TypeVar("T")
+
+encoder = msgspec.json.Encoder()
+
+_JSON = [(b"content-type", b"application/json")]
+_SSE = [
+    (b"content-type", b"text/event-stream"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
+_DONE = b"data: [DONE]\n\n"
+
+
+class HttpRequest:
+    """The head of one HTTP request; the body is read once, bounded, with `body()`."""
+
+    def __init__(self, scope: Scope, receive: Receive) -> None:
+        self.scope = scope
+        self.receive = receive
+        self.method: str = scope["method"]
+        self.path: str = scope["path"]
+        # lower-case names; a repeated header keeps its last value
+        self.headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+
+    async def body(self, max_bytes: int) -> bytes:
+        """The whole body, or 413 as soon as it is known to exceed max_bytes."""
+        length = self.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > max_bytes:
+            raise _too_large(max_bytes)
+        chunks, size = [], 0
+        while True:
+            message = await self.receive()
+            if message["type"] == "http.disconnect":
+                raise ClientGone
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > max_bytes:
+                raise _too_large(max_bytes)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+
+def _too_large(max_bytes: int) -> ApiError:
+    return ApiError(
+        413, f"the request body is larger than {max_bytes} bytes", code="body_too_large"
+    )
+
+
+class ClientGone(Exception):
+    """The client disconnected; nothing more can be sent."""
+
+
+class Responder:
+    """Sends one response: a JSON body, or an SSE stream started on its first event."""
+
+    def __init__(self, send: Send) -> None:
+        self._send = send
+        self.started = False
+        self.streaming = False
+        self.finished = False
+
+    async def json(
+        self, status: int, body: Any, headers: Sequence[tuple[bytes, bytes]] = ()
+    ) -> None:
+        payload = encoder.encode(body)
+        head = [*_JSON, (b"content-length", str(len(payload)).encode()), *headers]
+        self.started = True
+        await self._send({"type": "http.response.start", "status": status, "headers": head})
+        await self._send({"type": "http.response.body", "body": payload})
+        self.finished = True
+
+    async def event(self, payload: bytes) -> None:
+        """One SSE `data:` event holding already encoded JSON."""
+        if not self.started:
+            self.started = self.streaming = True
+            await self._send({"type": "http.response.start", "status": 200, "headers": _SSE})
+        await self._send(
+            {"type": "http.response.body", "body": b"data: " + payload + b"\n\n", "more_body": True}
+        )
+
+    async def done(self) -> None:
+        """`data: [DONE]` and the end of the stream."""
+        if not self.started:
+            self.started = self.streaming = True
+            await self._send({"type": "http.response.start", "status": 200, "headers": _SSE})
+        self.finished = True
+        await self._send({"type": "http.response.body", "body": _DONE})
+
+    async def error(self, exc: ApiError) -> None:
+        """The error as a JSON response, or as an SSE error event when the stream has begun."""
+        if self.finished:
+            return
+        if not self.started:
+            await self.json(exc.status, exc.body(), exc.headers)
+        elif self.streaming:
+            await self.event(encoder.encode(exc.body()))
+            await self.done()
+
+
+async def until_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def unless_disconnected(receive: Receive, work: Coroutine[Any, Any, T]) -> T:
+    """Runs `work`, cancelling it when the client disconnects first (raises ClientGone)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(until_disconnect(receive))
+    try:
+        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+        watcher.cancel()
+        await asyncio.gather(task, watcher, return_exceptions=True)
+    if task.cancelled():
+        raise ClientGone
+    return task.result()

@@ -1,0 +1,144 @@
+"""POST /v1/chat/completions."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import msgspec
+
+from core.config import EngineConfig
+from core.messages import TextDelta
+from frontend.asgi import HttpRequest, Responder, encoder
+from frontend.errors import bad_request, engine_unavailable, from_decode_error
+from frontend.generation import ChoiceResult, Job, respond
+from frontend.params import (
+    PRIORITY,
+    check_logprobs,
+    check_max_tokens,
+    check_model,
+    check_n,
+    per_choice,
+    resolve_max_tokens,
+    sampling_params,
+    tenant_of,
+)
+from frontend.protocol import ChatCompletionRequest
+from frontend.responses import (
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatDelta,
+    Usage,
+    chat_logprobs,
+)
+from frontend.state import FrontendState
+
+_decoder = msgspec.json.Decoder(ChatCompletionRequest)
+
+
+class ChatChunks:
+    """`chat.completion.chunk`s: each choice opens with the assistant role and empty content."""
+
+    def __init__(self, response_id: str, created: int, model: str, logprobs: bool) -> None:
+        self._head = (response_id, created, model)
+        self._logprobs = logprobs
+
+    def opening(self, index: int) -> bytes | None:
+        return self._encode([ChatChunkChoice(index, ChatDelta(role="assistant", content=""))])
+
+    def delta(self, index: int, delta: TextDelta) -> bytes:
+        logprobs = chat_logprobs(delta.logprobs or []) if self._logprobs else None
+        content = delta.text if delta.text or delta.finish_reason is None else None
+        choice = ChatChunkChoice(index, ChatDelta(content=content), logprobs, delta.finish_reason)
+        return self._encode([choice])
+
+    def usage(self, usage: Usage) -> bytes:
+        return self._encode([], usage)
+
+    def _encode(self, choices: list[ChatChunkChoice], usage: Usage | None = None) -> bytes:
+        rid, created, model = self._head
+        chunk = ChatCompletionChunk(
+            id=rid, created=created, model=model, choices=choices, usage=usage
+        )
+        return encoder.encode(chunk)
+
+
+def _logprobs(body: ChatCompletionRequest, config: EngineConfig) -> int | None:
+    """SamplingParams.logprobs: None, or how many alternatives to return with each token."""
+    if not body.logprobs:
+        if body.top_logprobs is not None:
+            raise bad_request("top_logprobs needs logprobs set to true", param="top_logprobs")
+        return None
+    return check_logprobs(body.top_logprobs or 0, "top_logprobs", config)
+
+
+async def handle_chat(
+    state: FrontendState, req: HttpRequest, out: Responder, key_identity: str
+) -> None:
+    arrival = time.time()
+    config = state.config
+    try:
+        body = _decoder.decode(await req.body(config.max_body_bytes))
+    except msgspec.DecodeError as exc:
+        raise from_decode_error(exc) from None
+    check_model(body.model, config)
+    n = check_n(body.n, config)
+    budget_name = (
+        "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    )
+    max_tokens = check_max_tokens(
+        body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens,
+        budget_name,
+        config,
+    )
+    logprobs = _logprobs(body, config)
+    base = sampling_params(body, 1, logprobs, config)
+    tenant = tenant_of(req.headers.get("x-tenant"), body.user, key_identity)
+    if not state.engine.healthy:
+        raise engine_unavailable(state.engine.dead_reason)
+
+    prompt_ids = await state.prompter.chat_ids(body.messages)
+    budget = resolve_max_tokens(max_tokens, budget_name, len(prompt_ids), "messages", config)
+    params = per_choice(msgspec.structs.replace(base, max_tokens=budget), n)
+    job = Job(
+        "chat",
+        state.engine.next_request_id(),
+        prompt_ids,
+        params,
+        tenant,
+        PRIORITY[body.priority],
+        arrival,
+    )
+    response_id, created, model = (
+        f"chatcmpl-{uuid.uuid4().hex}",
+        int(arrival),
+        config.served_model_name,
+    )
+
+    def build(choices: list[ChoiceResult], usage: Usage) -> ChatCompletion:
+        out_choices = [
+            ChatChoice(
+                index=i,
+                message=AssistantMessage(c.text),
+                logprobs=chat_logprobs(c.logprobs) if logprobs is not None else None,
+                finish_reason=c.finish_reason,
+            )
+            for i, c in enumerate(choices)
+        ]
+        return ChatCompletion(
+            id=response_id, created=created, model=model, choices=out_choices, usage=usage
+        )
+
+    await respond(
+        state.engine,
+        job,
+        req,
+        out,
+        streaming=bool(body.stream),
+        include_usage=bool(body.stream_options and body.stream_options.include_usage),
+        fmt=ChatChunks(response_id, created, model, logprobs is not None),
+        build=build,
+    )

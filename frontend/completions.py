@@ -1,0 +1,116 @@
+"""POST /v1/completions."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import msgspec
+
+from core.messages import TextDelta
+from frontend.asgi import HttpRequest, Responder, encoder
+from frontend.errors import bad_request, engine_unavailable, from_decode_error
+from frontend.generation import ChoiceResult, Job, respond
+from frontend.params import (
+    PRIORITY,
+    check_logprobs,
+    check_max_tokens,
+    check_model,
+    check_n,
+    per_choice,
+    resolve_max_tokens,
+    sampling_params,
+    tenant_of,
+)
+from frontend.protocol import CompletionRequest
+from frontend.responses import Completion, CompletionChoice, Usage, completion_logprobs
+from frontend.state import FrontendState
+
+_decoder = msgspec.json.Decoder(CompletionRequest)
+
+
+class CompletionChunks:
+    """`text_completion` stream chunks; text_offset runs on per choice."""
+
+    def __init__(self, response_id: str, created: int, model: str, n: int, logprobs: bool) -> None:
+        self._head = (response_id, created, model)
+        self._logprobs = logprobs
+        self._offsets = [0] * n  # characters sent so far, per choice
+
+    def opening(self, index: int) -> bytes | None:
+        return None
+
+    def delta(self, index: int, delta: TextDelta) -> bytes:
+        logprobs = None
+        if self._logprobs:
+            logprobs = completion_logprobs(delta.logprobs or [], self._offsets[index])
+        self._offsets[index] += len(delta.text)
+        choice = CompletionChoice(index, delta.text, logprobs, delta.finish_reason)
+        return encoder.encode(self._chunk([choice]))
+
+    def usage(self, usage: Usage) -> bytes:
+        return encoder.encode(self._chunk([], usage))
+
+    def _chunk(self, choices: list[CompletionChoice], usage: Usage | None = None) -> Completion:
+        rid, created, model = self._head
+        return Completion(id=rid, created=created, model=model, choices=choices, usage=usage)
+
+
+async def handle_completions(
+    state: FrontendState, req: HttpRequest, out: Responder, key_identity: str
+) -> None:
+    arrival = time.time()
+    config = state.config
+    try:
+        body = _decoder.decode(await req.body(config.max_body_bytes))
+    except msgspec.DecodeError as exc:
+        raise from_decode_error(exc) from None
+    check_model(body.model, config)
+    if body.echo:
+        raise bad_request("echo is not supported", param="echo")
+    n = check_n(body.n, config)
+    max_tokens = check_max_tokens(body.max_tokens, "max_tokens", config)
+    logprobs = check_logprobs(body.logprobs, "logprobs", config)
+    base = sampling_params(body, 1, logprobs, config)
+    tenant = tenant_of(req.headers.get("x-tenant"), body.user, key_identity)
+    if not state.engine.healthy:
+        raise engine_unavailable(state.engine.dead_reason)
+
+    prompt_ids = await state.prompter.completion_ids(body.prompt)
+    budget = resolve_max_tokens(max_tokens, "max_tokens", len(prompt_ids), "prompt", config)
+    params = per_choice(msgspec.structs.replace(base, max_tokens=budget), n)
+    job = Job(
+        "completions",
+        state.engine.next_request_id(),
+        prompt_ids,
+        params,
+        tenant,
+        PRIORITY[body.priority],
+        arrival,
+    )
+    response_id, created, model = f"cmpl-{uuid.uuid4().hex}", int(arrival), config.served_model_name
+
+    def build(choices: list[ChoiceResult], usage: Usage) -> Completion:
+        out_choices = [
+            CompletionChoice(
+                index=i,
+                text=c.text,
+                logprobs=completion_logprobs(c.logprobs, 0) if logprobs is not None else None,
+                finish_reason=c.finish_reason,
+            )
+            for i, c in enumerate(choices)
+        ]
+        return Completion(
+            id=response_id, created=created, model=model, choices=out_choices, usage=usage
+        )
+
+    await respond(
+        state.engine,
+        job,
+        req,
+        out,
+        streaming=bool(body.stream),
+        include_usage=bool(body.stream_options and body.stream_options.include_usage),
+        fmt=CompletionChunks(response_id, created, model, n, logprobs is not None),
+        build=build,
+    )

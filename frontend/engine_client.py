@@ -1,0 +1,212 @@
+"""The frontend's side of the engine: send AddRequest / Abort, fan TextDeltas out per request.
+
+One listener task reads the frontend's return socket and hands each TextDelta to the queue of
+the request it belongs to; `generate` yields from that queue and aborts on early exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+
+import zmq
+import zmq.asyncio
+
+from core.channel import AsyncReceiver, Sender
+from core.config import EngineConfig
+from core.messages import (
+    Abort,
+    AddRequest,
+    CoreInput,
+    EngineDead,
+    EngineStats,
+    FrontendInput,
+    GetStats,
+    SamplingParams,
+    TextDelta,
+    TextDeltas,
+)
+from core.process import CORE_IN, frontend_socket
+
+log = logging.getLogger("gapless.frontend")
+
+_DEAD = object()  # queue sentinel: the engine died while the request was in flight
+
+
+class EngineDeadError(Exception):
+    """The engine is gone; every in-flight and later request fails with this."""
+
+
+class EngineClient:
+    """Request bookkeeping over a `send` callable; `dispatch` is fed every FrontendInput.
+
+    `generate_n` is the contract the HTTP handlers (and test doubles) rely on.
+    """
+
+    def __init__(self, frontend_id: int, send: Callable[[CoreInput], None]) -> None:
+        self.frontend_id = frontend_id
+        self.healthy = True
+        self.dead_reason = ""
+        self._send = send
+        self._queues: dict[str, asyncio.Queue[TextDelta | object]] = {}  # engine id -> queue
+        self._counter = itertools.count()
+        self._stats: dict[int, asyncio.Future[EngineStats]] = {}
+        self._on_dead: list[Callable[[str], None]] = []
+
+    def next_request_id(self) -> str:
+        return f"{self.frontend_id}-{next(self._counter)}"
+
+    def on_dead(self, callback: Callable[[str], None]) -> None:
+        self._on_dead.append(callback)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._queues)
+
+    def dispatch(self, msg: FrontendInput) -> None:
+        match msg:
+            case TextDeltas(deltas=deltas):
+                queues = self._queues
+                for delta in deltas:
+                    queue = queues.get(delta.request_id)
+                    if queue is not None:  # None: the request was aborted here already
+                        queue.put_nowait(delta)
+            case EngineDead(reason=reason):
+                self._mark_dead(reason)
+            case EngineStats(token=token):
+                waiter = self._stats.pop(token, None)
+                if waiter is not None and not waiter.done():
+                    waiter.set_result(msg)
+
+    def _mark_dead(self, reason: str) -> None:
+        if not self.healthy:
+            return
+        self.healthy = False
+        log.error("engine dead: %s", reason)
+        # why: clients see this; a traceback in the reason stays in the log
+        self.dead_reason = (
+            reason.strip().splitlines()[0] if reason.strip() else "the engine stopped"
+        )
+        for queue in {id(q): q for q in self._queues.values()}.values():
+            queue.put_nowait(_DEAD)
+        for waiter in self._stats.values():
+            if not waiter.done():
+                waiter.set_exception(EngineDeadError(self.dead_reason))
+        self._stats.clear()
+        for callback in self._on_dead:
+            callback(self.dead_reason)
+
+    async def generate_n(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: list[SamplingParams],
+        *,
+        tenant: str = "",
+        priority: int = 1,
+        arrival_time: float | None = None,
+    ) -> AsyncIterator[tuple[int, TextDelta]]:
+        """One engine request per params entry (ids `{request_id}-{i}`), merged as
+        (choice index, delta) until every choice's last delta (one with a finish_reason).
+
+        Raises EngineDeadError if the engine is or becomes dead. Leaving early (break,
+        aclose, cancellation) aborts the choices still running.
+        """
+        if not self.healthy:
+            raise EngineDeadError(self.dead_reason)
+        queue: asyncio.Queue[TextDelta | object] = asyncio.Queue()
+        ids = [f"{request_id}-{i}" for i in range(len(params))]
+        index = {rid: i for i, rid in enumerate(ids)}
+        running = set(ids)
+        arrival = time.time() if arrival_time is None else arrival_time
+        for rid in ids:
+            self._queues[rid] = queue
+        try:
+            for rid, p in zip(ids, params, strict=True):
+                self._send(
+                    AddRequest(
+                        rid, self.frontend_id, prompt_token_ids, p, arrival, tenant, priority
+                    )
+                )
+            while running:
+                item = await queue.get()
+                if item is _DEAD:
+                    raise EngineDeadError(self.dead_reason)
+                assert isinstance(item, TextDelta)
+                if item.finish_reason is not None:
+                    running.discard(item.request_id)
+                yield index[item.request_id], item
+        finally:
+            for rid in ids:
+                self._queues.pop(rid, None)
+            if running and self.healthy:
+                self._send(Abort(sorted(running)))
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        tenant: str = "",
+        priority: int = 1,
+    ) -> AsyncIterator[TextDelta]:
+        """One choice; ends after the delta carrying its finish_reason."""
+        stream = self.generate_n(
+            request_id, prompt_token_ids, [params], tenant=tenant, priority=priority
+        )
+        try:
+            async for _, delta in stream:
+                yield delta
+        finally:
+            await stream.aclose()
+
+    async def get_stats(self, timeout_s: float = 1.0) -> EngineStats:
+        if not self.healthy:
+            raise EngineDeadError(self.dead_reason)
+        token = next(self._counter)
+        waiter: asyncio.Future[EngineStats] = asyncio.get_running_loop().create_future()
+        self._stats[token] = waiter
+        self._send(GetStats(self.frontend_id, token))
+        try:
+            return await asyncio.wait_for(waiter, timeout_s)
+        finally:
+            self._stats.pop(token, None)
+
+
+class ZmqEngineClient(EngineClient):
+    """EngineClient over the engine's sockets: PUSH to the core, PULL on our return socket."""
+
+    def __init__(self, config: EngineConfig, frontend_id: int, ctx: zmq.Context) -> None:
+        self._sender: Sender[CoreInput] = Sender(ctx, config.ipc(CORE_IN))
+        super().__init__(frontend_id, self._sender.send)
+        self._actx = zmq.asyncio.Context()
+        self._receiver: AsyncReceiver[FrontendInput] = AsyncReceiver(
+            self._actx, config.ipc(frontend_socket(frontend_id)), FrontendInput
+        )
+        self._listener: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        """Start the listener task; call inside the running loop."""
+        assert self._listener is None, "started twice"
+        self._listener = asyncio.get_running_loop().create_task(self._listen(), name="listener")
+        self._listener.add_done_callback(self._listener_done)
+
+    async def _listen(self) -> None:
+        while True:
+            self.dispatch(await self._receiver.recv())
+
+    def _listener_done(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            self._mark_dead(f"the frontend's engine listener failed: {task.exception()!r}")
+
+    async def close(self) -> None:
+        if self._listener is not None:
+            self._listener.cancel()
+            await asyncio.gather(self._listener, return_exceptions=True)
+        self._receiver.close()
+        self._sender.close()
+        self._actx.term()

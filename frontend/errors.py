@@ -1,0 +1,75 @@
+"""OpenAI-style error bodies and the exception that carries one out of a handler."""
+
+from __future__ import annotations
+
+import re
+
+import msgspec
+
+
+class ErrorInfo(msgspec.Struct):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(msgspec.Struct):
+    error: ErrorInfo
+
+
+class ApiError(Exception):
+    """A request ends with this HTTP status and OpenAI error body."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type: str | None = None,
+        headers: list[tuple[bytes, bytes]] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.type = type or ("invalid_request_error" if status < 500 else "server_error")
+        self.headers = headers or []
+
+    def body(self) -> ErrorResponse:
+        return ErrorResponse(ErrorInfo(self.message, self.type, self.param, self.code))
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param, code=code)
+
+
+def engine_unavailable(reason: str) -> ApiError:
+    return ApiError(503, f"the engine is not available: {reason}", code="engine_unavailable")
+
+
+# msgspec ends a validation message with " - at `$.messages[0].role`"; a missing field is named
+# in the message itself ("Object missing required field `role`").
+_AT = re.compile(r" - at `\$\.?(?P<path>[^`]*)`$")
+_MISSING = re.compile(r"missing required field `(?P<field>[^`]+)`")
+
+
+def from_decode_error(exc: msgspec.DecodeError) -> ApiError:
+    """400 for a body msgspec could not decode; `param` is the offending field's path."""
+    text = str(exc)
+    if not isinstance(exc, msgspec.ValidationError):
+        return bad_request(f"request body is not valid JSON: {text}", code="invalid_json")
+    path = None
+    at = _AT.search(text)
+    if at:
+        path = at.group("path") or None
+        text = text[: at.start()]
+    missing = _MISSING.search(text)
+    if missing:
+        field = missing.group("field")
+        path = f"{path}.{field}" if path else field
+    where = f" (at {path})" if path else ""
+    return bad_request(f"{text}{where}", param=path)

@@ -1,0 +1,158 @@
+"""Running one validated request on the engine: collected whole, or streamed as SSE chunks.
+
+Both endpoints share this; they differ only in how a choice or a chunk is shaped.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from core.messages import SamplingParams, TextDelta, TokenLogprob
+from frontend import metrics
+from frontend.asgi import HttpRequest, Responder, unless_disconnected
+from frontend.engine_client import EngineClient, EngineDeadError
+from frontend.errors import ApiError, engine_unavailable
+from frontend.responses import Usage
+
+
+@dataclass
+class Job:
+    endpoint: str  # "completions" or "chat", for metrics
+    request_id: str
+    prompt_ids: list[int]
+    params: list[SamplingParams]  # one per choice
+    tenant: str
+    priority: int
+    arrival_time: float  # time.time()
+
+
+@dataclass
+class ChoiceResult:
+    parts: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    num_output_tokens: int = 0
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+
+class ChunkFormat(Protocol):
+    """Shapes one endpoint's SSE chunks as encoded JSON."""
+
+    def opening(self, index: int) -> bytes | None: ...
+
+    def delta(self, index: int, delta: TextDelta) -> bytes: ...
+
+    def usage(self, usage: Usage) -> bytes: ...
+
+
+def failure(delta: TextDelta) -> ApiError | None:
+    """The error a finishing delta stands for: an engine fault is not the client's doing."""
+    if delta.finish_reason == "error":
+        return ApiError(
+            500,
+            f"the engine failed on this request: {delta.error or 'no detail'}",
+            code="engine_error",
+        )
+    if delta.finish_reason == "abort":
+        return ApiError(503, "the engine aborted this request", code="request_aborted")
+    return None
+
+
+def usage_of(job: Job, num_output_tokens: list[int]) -> Usage:
+    completion = sum(num_output_tokens)
+    return Usage(len(job.prompt_ids), completion, len(job.prompt_ids) + completion)
+
+
+async def _deltas(engine: EngineClient, job: Job) -> AsyncIterator[tuple[int, TextDelta]]:
+    """The engine's deltas for the job, with failures raised as ApiError and metrics observed."""
+    observer = metrics.observer
+    observer.arrived(job.endpoint, len(job.prompt_ids))
+    first = True
+    outputs = [0] * len(job.params)
+    reason = None
+    stream = engine.generate_n(
+        job.request_id,
+        job.prompt_ids,
+        job.params,
+        tenant=job.tenant,
+        priority=job.priority,
+        arrival_time=job.arrival_time,
+    )
+    try:
+        async with aclosing(stream):
+            async for index, delta in stream:
+                if first and delta.token_ids:
+                    first = False
+                    observer.first_token(job.endpoint, time.time() - job.arrival_time)
+                error = failure(delta)
+                if error is not None:
+                    raise error
+                outputs[index] = delta.num_output_tokens
+                reason = delta.finish_reason or reason
+                yield index, delta
+    except EngineDeadError as exc:
+        raise engine_unavailable(str(exc)) from None
+    finally:
+        observer.finished(job.endpoint, time.time() - job.arrival_time, sum(outputs), reason)
+
+
+async def collect(engine: EngineClient, job: Job) -> list[ChoiceResult]:
+    """Every choice's whole output."""
+    choices = [ChoiceResult() for _ in job.params]
+    async with aclosing(_deltas(engine, job)) as deltas:
+        async for index, delta in deltas:
+            choice = choices[index]
+            choice.parts.append(delta.text)
+            if delta.logprobs:
+                choice.logprobs.extend(delta.logprobs)
+            choice.num_output_tokens = delta.num_output_tokens
+            choice.finish_reason = delta.finish_reason
+    return choices
+
+
+async def stream(
+    engine: EngineClient, job: Job, out: Responder, fmt: ChunkFormat, include_usage: bool
+) -> None:
+    """SSE chunks as deltas arrive, a usage chunk if asked, then [DONE]. The response starts
+    with the first delta, so a failure before it still gets a proper HTTP status."""
+    opened = [False] * len(job.params)
+    outputs = [0] * len(job.params)
+    async with aclosing(_deltas(engine, job)) as deltas:
+        async for index, delta in deltas:
+            if not opened[index]:
+                opened[index] = True
+                opening = fmt.opening(index)
+                if opening is not None:
+                    await out.event(opening)
+            outputs[index] = delta.num_output_tokens
+            await out.event(fmt.delta(index, delta))
+    if include_usage:
+        await out.event(fmt.usage(usage_of(job, outputs)))
+    await out.done()
+
+
+async def respond(
+    engine: EngineClient,
+    job: Job,
+    req: HttpRequest,
+    out: Responder,
+    *,
+    streaming: bool,
+    include_usage: bool,
+    fmt: ChunkFormat,
+    build: Callable[[list[ChoiceResult], Usage], object],
+) -> None:
+    """Streams or answers whole; a client that disconnects first aborts the engine requests."""
+    if streaming:
+        await unless_disconnected(req.receive, stream(engine, job, out, fmt, include_usage))
+        return
+    choices = await unless_disconnected(req.receive, collect(engine, job))
+    usage = usage_of(job, [c.num_output_tokens for c in choices])
+    await out.json(200, build(choices, usage))

@@ -1,0 +1,166 @@
+"""From a decoded request to engine SamplingParams, rejecting out-of-range values with a 400."""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+
+from core.config import EngineConfig
+from core.messages import SamplingParams
+from frontend.errors import ApiError, bad_request
+from frontend.protocol import SamplingFields
+
+PRIORITY = {"interactive": 0, "default": 1, "batch": 2}
+MAX_TENANT_CHARS = 256
+_INT64 = 2**63
+
+
+def check_model(model: str | None, config: EngineConfig) -> None:
+    """404 unless the request names the served model (omitting it is allowed)."""
+    if model is not None and model != config.served_model_name:
+        raise ApiError(
+            404,
+            f"the model `{model}` does not exist; this server serves `{config.served_model_name}`",
+            param="model",
+            code="model_not_found",
+        )
+
+
+def _in_range(value: float, low: float, high: float, name: str, *, low_open: bool = False) -> float:
+    ok = math.isfinite(value) and (low < value if low_open else low <= value) and value <= high
+    if not ok:
+        bracket = "(" if low_open else "["
+        raise bad_request(f"{name} must be in {bracket}{low}, {high}], got {value}", param=name)
+    return value
+
+
+def check_n(n: int | None, config: EngineConfig) -> int:
+    n = 1 if n is None else n
+    if not 1 <= n <= config.max_n:
+        raise bad_request(f"n must be between 1 and {config.max_n}, got {n}", param="n")
+    return n
+
+
+def check_max_tokens(value: int | None, name: str, config: EngineConfig) -> int | None:
+    """Range checks that need no prompt; the context check is `resolve_max_tokens`."""
+    if value is not None and not 1 <= value <= config.model.max_model_len:
+        raise bad_request(
+            f"{name} must be between 1 and the context length "
+            f"({config.model.max_model_len}), got {value}",
+            param=name,
+        )
+    return value
+
+
+def resolve_max_tokens(
+    value: int | None, name: str, prompt_len: int, prompt_param: str, config: EngineConfig
+) -> int:
+    """The output budget: as asked if it fits the context, else the rest of the context."""
+    limit = config.model.max_model_len
+    if prompt_len >= limit:
+        raise bad_request(
+            f"the prompt ({prompt_param}) is {prompt_len} tokens; it must be shorter than "
+            f"the context length of {limit} tokens",
+            param=prompt_param,
+            code="context_length_exceeded",
+        )
+    if value is None:
+        return limit - prompt_len
+    if prompt_len + value > limit:
+        raise bad_request(
+            f"{name} ({value}) plus the prompt ({prompt_len} tokens) exceeds the context "
+            f"length of {limit} tokens",
+            param=name,
+            code="context_length_exceeded",
+        )
+    return value
+
+
+def check_logprobs(value: int | None, name: str, config: EngineConfig) -> int | None:
+    if value is not None and not 0 <= value <= config.max_logprobs:
+        raise bad_request(
+            f"{name} must be between 0 and {config.max_logprobs}, got {value}", param=name
+        )
+    return value
+
+
+def _stops(stop: str | list[str] | None, config: EngineConfig) -> tuple[str, ...]:
+    stops = [stop] if isinstance(stop, str) else list(stop or ())
+    if len(stops) > config.max_stop_strings:
+        raise bad_request(
+            f"stop may hold at most {config.max_stop_strings} strings, got {len(stops)}",
+            param="stop",
+        )
+    if any(not s for s in stops):
+        raise bad_request("stop strings must not be empty", param="stop")
+    return tuple(stops)
+
+
+def _stop_token_ids(ids: list[int] | None, config: EngineConfig) -> tuple[int, ...]:
+    vocab = config.model.vocab_size
+    for i in ids or ():
+        if not 0 <= i < vocab:
+            raise bad_request(
+                f"stop_token_ids holds {i}, outside the vocabulary [0, {vocab})",
+                param="stop_token_ids",
+            )
+    return tuple(ids or ())
+
+
+def sampling_params(
+    req: SamplingFields, max_tokens: int, logprobs: int | None, config: EngineConfig
+) -> SamplingParams:
+    """Every range check of the shared sampling fields; max_tokens and logprobs come checked."""
+    top_k = 0 if req.top_k is None else req.top_k
+    if top_k < -1:
+        raise bad_request(f"top_k must be -1, 0 (off) or positive, got {top_k}", param="top_k")
+    seed = req.seed
+    if seed is not None and not -_INT64 <= seed < _INT64:
+        raise bad_request("seed must fit in a signed 64-bit integer", param="seed")
+    f = _float_or
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=_in_range(f(req.temperature, 1.0), 0.0, 2.0, "temperature"),
+        top_p=_in_range(f(req.top_p, 1.0), 0.0, 1.0, "top_p", low_open=True),
+        top_k=0 if top_k == -1 or top_k >= config.model.vocab_size else top_k,
+        min_p=_in_range(f(req.min_p, 0.0), 0.0, 1.0, "min_p"),
+        seed=seed,
+        presence_penalty=_in_range(f(req.presence_penalty, 0.0), -2.0, 2.0, "presence_penalty"),
+        frequency_penalty=_in_range(f(req.frequency_penalty, 0.0), -2.0, 2.0, "frequency_penalty"),
+        repetition_penalty=_in_range(
+            f(req.repetition_penalty, 1.0), 0.0, 10.0, "repetition_penalty", low_open=True
+        ),
+        logprobs=logprobs,
+        ignore_eos=req.ignore_eos,
+        stop_token_ids=_stop_token_ids(req.stop_token_ids, config),
+        stop=_stops(req.stop, config),
+        include_stop_str_in_output=req.include_stop_str_in_output,
+        skip_special_tokens=req.skip_special_tokens,
+    )
+
+
+def _float_or(value: float | None, default: float) -> float:
+    return default if value is None else float(value)
+
+
+def per_choice(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """n copies; choice i samples with seed + i (wrapped to int64) so choices differ."""
+    if params.seed is None:
+        return [params] * n
+    out = []
+    for i in range(n):
+        seed = (params.seed + i + _INT64) % (2 * _INT64) - _INT64
+        out.append(msgspec.structs.replace(params, seed=seed))
+    return out
+
+
+def tenant_of(header: str | None, user: str | None, key_identity: str) -> str:
+    """X-Tenant header, else the `user` field, else the API key's identity, else ""."""
+    tenant = header or user or key_identity
+    if len(tenant) > MAX_TENANT_CHARS:
+        raise bad_request(
+            f"the tenant (X-Tenant or user) is longer than {MAX_TENANT_CHARS} characters",
+            param="user",
+        )
+    return tenant

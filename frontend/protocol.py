@@ -1,0 +1,72 @@
+"""Request bodies of the OpenAI-compatible API, as msgspec schemas (decoding is validation).
+
+Optional fields accept JSON null, as the OpenAI API does. Values are range-checked in
+`frontend.params`, where the limits of the running config are known.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+Priority = Literal["interactive", "default", "batch"]
+Role = Literal["system", "user", "assistant", "tool"]
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool = False
+
+
+class SamplingFields(msgspec.Struct, kw_only=True):
+    """Fields both generation endpoints share (OpenAI names, then engine extras)."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    user: str | None = None
+    # engine extras
+    top_k: int | None = None  # 0 or -1 disables
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    priority: Priority = "default"
+
+
+class CompletionRequest(SamplingFields, kw_only=True):
+    """POST /v1/completions. One prompt: text, token ids, or a list holding one of those."""
+
+    prompt: str | list[int | str | list[int]]
+    logprobs: int | None = None  # 0..max_logprobs: sampled token plus this many alternatives
+    echo: bool = False
+
+
+class TextPart(msgspec.Struct, tag="text", tag_field="type"):
+    text: str
+
+
+class ChatMessage(msgspec.Struct, kw_only=True):
+    role: Role
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_call_id: str | None = None
+
+
+class ChatCompletionRequest(SamplingFields, kw_only=True):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None  # the newer name of max_tokens; wins when both
+    logprobs: bool | None = None
+    top_logprobs: int | None = None  # needs logprobs=true

@@ -1,0 +1,156 @@
+"""Response bodies and stream chunks of the OpenAI-compatible API, as msgspec schemas."""
+
+from __future__ import annotations
+
+import msgspec
+
+from core.messages import TokenLogprob
+
+
+class Usage(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+# ---------------------------------------------------------------- /v1/completions
+
+
+class CompletionLogprobs(msgspec.Struct):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]  # characters into this choice's generated text
+
+
+class CompletionChoice(msgspec.Struct):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class Completion(msgspec.Struct, kw_only=True):
+    id: str
+    object: str = "text_completion"
+    created: int  # unix seconds
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+# ---------------------------------------------------------------- /v1/chat/completions
+
+
+class TopLogprobOut(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int]  # utf-8 of token
+
+
+class ChatTokenLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprobOut]
+
+
+class ChatLogprobs(msgspec.Struct):
+    content: list[ChatTokenLogprob]
+
+
+class AssistantMessage(msgspec.Struct):
+    content: str
+    role: str = "assistant"
+
+
+class ChatChoice(msgspec.Struct):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletion(msgspec.Struct, kw_only=True):
+    id: str
+    object: str = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+
+
+class ChatDelta(msgspec.Struct, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(msgspec.Struct):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(msgspec.Struct, kw_only=True):
+    id: str
+    object: str = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+# ---------------------------------------------------------------- /v1/models, /health
+
+
+class ModelCard(msgspec.Struct, kw_only=True):
+    id: str
+    object: str = "model"
+    created: int
+    max_model_len: int
+    owned_by: str = "gapless"
+
+
+class ModelList(msgspec.Struct, kw_only=True):
+    object: str = "list"
+    data: list[ModelCard]
+
+
+class Health(msgspec.Struct):
+    status: str  # "ok" or "dead"
+    reason: str | None = None
+
+
+# ---------------------------------------------------------------- logprob shapes
+
+
+def completion_logprobs(items: list[TokenLogprob], text_offset: int) -> CompletionLogprobs:
+    """The legacy shape; text_offset is where the first token's text starts in the choice."""
+    offsets = []
+    for item in items:
+        offsets.append(text_offset)
+        text_offset += len(item.token)
+    return CompletionLogprobs(
+        tokens=[item.token for item in items],
+        token_logprobs=[item.logprob for item in items],
+        top_logprobs=[{top.token: top.logprob for top in item.top} for item in items],
+        text_offset=offsets,
+    )
+
+
+def chat_logprobs(items: list[TokenLogprob]) -> ChatLogprobs:
+    return ChatLogprobs(
+        content=[
+            ChatTokenLogprob(
+                token=item.token,
+                logprob=item.logprob,
+                bytes=list(item.token.encode()),
+                top_logprobs=[
+                    TopLogprobOut(top.token, top.logprob, list(top.token.encode()))
+                    for top in item.top
+                ],
+            )
+            for item in items
+        ]
+    )

@@ -1,0 +1,41 @@
+"""What the runner process needs from a device: launch a plan, then collect its result.
+
+A launch returns as soon as the step is queued on the device (cuda, sim) or done (cpu); the
+runner process launches step n+1 before it collects step n, so the device never waits for the
+publication of the previous step's ids.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from core.messages import StepPlan, StepResult
+
+
+class Backend(Protocol):
+    num_blocks: int  # KV blocks of block_size tokens, block 0 included (reserved)
+
+    def launch(self, plan: StepPlan) -> Any:
+        """Queue one step; plans must come in sequence order."""
+
+    def seconds_until_ready(self, handle: Any) -> float:
+        """0 when the step's ids are on the host; otherwise a wait worth taking (may be a guess)."""
+
+    def collect(self, handle: Any) -> StepResult:
+        """The step's ids and timeline; blocks until the step is done."""
+
+
+def make_backend(config) -> Backend:
+    if config.device == "cpu":
+        from gpu_runner.runner import ModelRunner
+
+        return ModelRunner(config)
+    if config.device == "sim":
+        from gpu_runner.sim import SimBackend
+
+        return SimBackend(config)
+    if config.device == "cuda":
+        from gpu_runner.cuda import CudaBackend
+
+        return CudaBackend(config)
+    raise ValueError(f"unknown device {config.device!r}")

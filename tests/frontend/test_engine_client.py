@@ -1,0 +1,168 @@
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+import pytest
+import zmq
+import zmq.asyncio
+
+from core.channel import AsyncReceiver, Sender
+from core.messages import (
+    Abort,
+    AddRequest,
+    CoreInput,
+    EngineDead,
+    EngineStats,
+    FrontendInput,
+    GetStats,
+    SamplingParams,
+    TextDelta,
+    TextDeltas,
+)
+from core.process import CORE_IN, frontend_socket
+from frontend.engine_client import EngineClient, EngineDeadError, ZmqEngineClient
+
+PARAMS = SamplingParams(max_tokens=4)
+
+
+def _client() -> tuple[EngineClient, list[CoreInput]]:
+    sent: list[CoreInput] = []
+    return EngineClient(3, sent.append), sent
+
+
+def _delta(rid: str, n: int, finish: str | None = None) -> TextDelta:
+    return TextDelta(rid, f"t{n}", [n], 2, n, finish)
+
+
+@pytest.mark.anyio
+async def test_generate_n_merges_choices_and_cleans_up() -> None:
+    client, sent = _client()
+    rid = client.next_request_id()
+    assert rid == "3-0" and client.next_request_id() == "3-1"
+    stream = client.generate_n(rid, [1, 2], [PARAMS, PARAMS], tenant="t", priority=0)
+    first = asyncio.ensure_future(stream.__anext__())
+    await asyncio.sleep(0)
+    assert [m.request_id for m in sent] == ["3-0-0", "3-0-1"]  # type: ignore[union-attr]
+    assert all(isinstance(m, AddRequest) and m.tenant == "t" and m.priority == 0 for m in sent)
+    client.dispatch(TextDeltas([_delta("3-0-1", 1), _delta("other", 1), _delta("3-0-0", 1)]))
+    client.dispatch(TextDeltas([_delta("3-0-0", 2, "stop"), _delta("3-0-1", 2, "length")]))
+    got = [await first] + [x async for x in stream]
+    assert [(i, d.text, d.finish_reason) for i, d in got] == [
+        (1, "t1", None),
+        (0, "t1", None),
+        (0, "t2", "stop"),
+        (1, "t2", "length"),
+    ]
+    assert client.num_in_flight == 0 and len(sent) == 2  # no Abort after a full finish
+
+
+@pytest.mark.anyio
+async def test_leaving_early_aborts_the_unfinished() -> None:
+    client, sent = _client()
+    stream = client.generate_n("r", [1], [PARAMS] * 3)
+    task = asyncio.ensure_future(stream.__anext__())
+    await asyncio.sleep(0)
+    client.dispatch(TextDeltas([_delta("r-1", 1, "stop")]))
+    assert (await task)[0] == 1
+    await stream.aclose()
+    assert sent[-1] == Abort(["r-0", "r-2"])
+    assert client.num_in_flight == 0
+
+    # cancellation while waiting (a client disconnect) aborts as well
+    async def consume() -> None:
+        async for _ in client.generate("c", [1], PARAMS):
+            pass
+
+    task = asyncio.ensure_future(consume())
+    await asyncio.sleep(0)
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    assert sent[-1] == Abort(["c-0"])
+
+
+@pytest.mark.anyio
+async def test_engine_dead_ends_everything() -> None:
+    client, sent = _client()
+    dead_reasons: list[str] = []
+    client.on_dead(dead_reasons.append)
+
+    async def consume(rid: str) -> list[TextDelta]:
+        return [d async for d in client.generate(rid, [1], PARAMS)]
+
+    tasks = [asyncio.ensure_future(consume(f"r{i}")) for i in range(3)]
+    stats = asyncio.ensure_future(client.get_stats())
+    await asyncio.sleep(0)
+    client.dispatch(EngineDead("runner crashed\nTraceback (most recent call last): ..."))
+    results = await asyncio.gather(*tasks, stats, return_exceptions=True)
+    assert all(isinstance(r, EngineDeadError) and str(r) == "runner crashed" for r in results)
+    assert not client.healthy and dead_reasons == ["runner crashed"]  # no traceback for clients
+    assert not any(isinstance(m, Abort) for m in sent)  # nobody to tell
+    with pytest.raises(EngineDeadError):
+        await anext(client.generate("late", [1], PARAMS))
+
+
+@pytest.mark.anyio
+async def test_get_stats() -> None:
+    client, sent = _client()
+    task = asyncio.ensure_future(client.get_stats())
+    await asyncio.sleep(0)
+    (ask,) = sent
+    assert isinstance(ask, GetStats) and ask.frontend_id == 3
+    client.dispatch(EngineStats(ask.token, 1, 2, 3, 4))
+    assert (await task).num_waiting == 2
+
+
+@pytest.mark.anyio
+async def test_zmq_engine_client_round_trip(make_config, tmp_path) -> None:
+    config = make_config(run_dir=str(tmp_path))
+    ctx = zmq.Context()
+    actx = zmq.asyncio.Context()
+    core_in: AsyncReceiver[CoreInput] = AsyncReceiver(actx, config.ipc(CORE_IN), CoreInput)
+    client = ZmqEngineClient(config, 1, ctx)
+    to_front: Sender[FrontendInput] = Sender(ctx, config.ipc(frontend_socket(1)))
+    client.start()
+    try:
+        stream = client.generate("1-0", [5, 6], PARAMS)
+        first = asyncio.ensure_future(anext(stream))
+        add = await asyncio.wait_for(core_in.recv(), 2)
+        assert isinstance(add, AddRequest) and add.request_id == "1-0-0" and add.frontend_id == 1
+        to_front.send(TextDeltas([_delta("1-0-0", 1)]))
+        assert (await asyncio.wait_for(first, 2)).text == "t1"
+        await stream.aclose()
+        assert await asyncio.wait_for(core_in.recv(), 2) == Abort(["1-0-0"])
+        to_front.send(EngineDead("bye"))
+        for _ in range(200):
+            if not client.healthy:
+                break
+            await asyncio.sleep(0.01)
+        assert client.dead_reason == "bye"
+    finally:
+        await client.close()
+        to_front.close()
+        core_in.close()
+        actx.term()
+        ctx.term()
+
+
+@pytest.mark.parametrize("batch", [1, 32, 256])
+def test_bench_fanout_step(benchmark, batch: int) -> None:
+    """One step's TextDeltas (one delta per in-flight request), decoded and fanned out."""
+    client, _ = _client()
+    queues: list[asyncio.Queue] = [asyncio.Queue() for _ in range(batch)]
+    for i, q in enumerate(queues):
+        client._queues[f"3-{i}-0"] = q
+    deltas = [TextDelta(f"3-{i}-0", " word", [1234], 100, 7) for i in range(batch)]
+    frame = msgspec.msgpack.encode(TextDeltas(deltas))
+    decoder = msgspec.msgpack.Decoder(FrontendInput)
+
+    def drain() -> None:
+        for q in queues:
+            while not q.empty():
+                q.get_nowait()
+
+    def step() -> None:
+        client.dispatch(decoder.decode(frame))
+
+    benchmark.pedantic(step, setup=drain, rounds=200, warmup_rounds=5)
+    assert all(q.qsize() == 1 for q in queues)
