@@ -26,17 +26,31 @@ def tiny_model_dir(tmp_path_factory, default_gguf) -> Path:
     out = tmp_path_factory.mktemp("tiny-llama")
     torch.manual_seed(1234)
     cfg = transformers.LlamaConfig(
-        vocab_size=info.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-        rope_theta=10000.0, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+        vocab_size=info.vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
     )
     model = transformers.LlamaForCausalLM(cfg)
     with torch.no_grad():  # sharper logits than the default init, so greedy has clear winners
         model.model.embed_tokens.weight.normal_(0, 1.0)
     model.save_pretrained(out, safe_serialization=True)
     load_tokenizer(info).save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "chat_template": info.chat_template, "eos_token": "<|im_end|>",
-        "bos_token": "<|im_start|>", "add_bos_token": False,
-    }))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "chat_template": info.chat_template,
+                "eos_token": "<|im_end|>",
+                "bos_token": "<|im_start|>",
+                "add_bos_token": False,
+            }
+        )
+    )
     return out

@@ -16,8 +16,9 @@ from gpu_runner.runner import ModelRunner
 
 
 def make_config(model_dir, **overrides) -> EngineConfig:
-    base = EngineConfig(model=resolve_model(str(model_dir)), served_model_name="tiny",
-                        dtype="float32", threads=1)
+    base = EngineConfig(
+        model=resolve_model(str(model_dir)), served_model_name="tiny", dtype="float32", threads=1
+    )
     return msgspec.structs.replace(base, **overrides)
 
 
@@ -26,19 +27,27 @@ class Harness:
         self.runner = ModelRunner(config)
         self.depth = depth
         self.scheduler = Scheduler(
-            num_blocks=self.runner.num_blocks, block_size=config.block_size,
-            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=config.model.max_model_len, eos_token_ids=config.model.eos_token_ids,
+            num_blocks=self.runner.num_blocks,
+            block_size=config.block_size,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=config.model.max_model_len,
+            eos_token_ids=config.model.eos_token_ids,
         )
         self.outputs: dict[str, list[int]] = {}
         self.finish: dict[str, str] = {}
         self.steps = 0
 
     def add(self, rid: str, prompt: list[int], params: SamplingParams) -> None:
-        self.scheduler.add_request(AddRequest(
-            request_id=rid, frontend_id=0, prompt_token_ids=prompt, params=params,
-            arrival_time=time.time(),
-        ))
+        self.scheduler.add_request(
+            AddRequest(
+                request_id=rid,
+                frontend_id=0,
+                prompt_token_ids=prompt,
+                params=params,
+                arrival_time=time.time(),
+            )
+        )
         self.outputs[rid] = []
 
     def run(self, arrivals: dict[int, list[tuple[str, list[int], SamplingParams]]] | None = None):
@@ -54,7 +63,9 @@ class Harness:
             if inflight:
                 step, result = inflight.popleft()
                 out = self.scheduler.update_from_output(step, result)
-                for req, tok, reason in zip(out.requests, out.token_ids, out.finish_reasons):
+                for req, tok, reason in zip(
+                    out.requests, out.token_ids, out.finish_reasons, strict=True
+                ):
                     self.outputs[req.request_id].append(tok)
                     if reason:
                         self.finish[req.request_id] = reason

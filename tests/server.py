@@ -28,7 +28,11 @@ class Server:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "core.cli", "serve", "--port", str(self.port), *args],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
         self.log: list[str] = []
         deadline = time.monotonic() + startup_timeout
@@ -59,8 +63,9 @@ class Server:
 
     def child_pids(self) -> dict[str, int]:
         out = {}
-        for line in subprocess.run(["ps", "-o", "pid=,comm=", "--ppid", str(self.proc.pid)],
-                                   capture_output=True, text=True).stdout.splitlines():
+        for line in subprocess.run(
+            ["ps", "-o", "pid=,comm=", "--ppid", str(self.proc.pid)], capture_output=True, text=True
+        ).stdout.splitlines():
             pid, comm = line.split(None, 1)
             out[comm.strip()] = int(pid)
         return out

@@ -23,9 +23,14 @@ def reference(tiny_model_dir):
     want = []
     for p in prompts:
         with torch.no_grad():
-            out = model.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                                 eos_token_id=None, pad_token_id=0)
-        want.append(out[0, len(p):].tolist())
+            out = model.generate(
+                torch.tensor([p]),
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+        want.append(out[0, len(p) :].tolist())
     return prompts, want
 
 

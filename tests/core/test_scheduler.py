@@ -11,8 +11,14 @@ EOS = 2
 
 
 def make_scheduler(**overrides) -> Scheduler:
-    kw = dict(num_blocks=64, block_size=4, max_num_seqs=8, max_num_batched_tokens=64,
-              max_model_len=128, eos_token_ids=(EOS,))
+    kw = dict(
+        num_blocks=64,
+        block_size=4,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        max_model_len=128,
+        eos_token_ids=(EOS,),
+    )
     kw.update(overrides)
     return Scheduler(**kw)
 
@@ -20,18 +26,24 @@ def make_scheduler(**overrides) -> Scheduler:
 def make_requests(sched: Scheduler, n: int, prompt_len: int = 6, **params) -> list:
     params.setdefault("max_tokens", 8)
     return [
-        sched.add_request(AddRequest(
-            request_id=f"r{i}", frontend_id=0, prompt_token_ids=list(range(10, 10 + prompt_len)),
-            params=SamplingParams(**params), arrival_time=time.time(),
-        ))
+        sched.add_request(
+            AddRequest(
+                request_id=f"r{i}",
+                frontend_id=0,
+                prompt_token_ids=list(range(10, 10 + prompt_len)),
+                params=SamplingParams(**params),
+                arrival_time=time.time(),
+            )
+        )
         for i in range(n)
     ]
 
 
 def fake_result(step: ScheduledStep, token: int | dict = 7) -> StepResult:
     ids = [token.get(r.request_id, 7) if isinstance(token, dict) else token for r in step.sampled]
-    return StepResult(seq=step.plan.seq, token_ids=ids, logprobs=[], top_counts=[], top_ids=[],
-                      top_logprobs=[])
+    return StepResult(
+        seq=step.plan.seq, token_ids=ids, logprobs=[], top_counts=[], top_ids=[], top_logprobs=[]
+    )
 
 
 def test_decode_entries_read_the_device_and_prefill_carries_ids():
@@ -102,9 +114,15 @@ def test_chunked_prefill_respects_the_budget_and_mixes_with_decodes():
 
 
 def make_requests_named(s, rid, prompt_len):
-    return s.add_request(AddRequest(request_id=rid, frontend_id=0,
-                                    prompt_token_ids=list(range(prompt_len)),
-                                    params=SamplingParams(max_tokens=4), arrival_time=0.0))
+    return s.add_request(
+        AddRequest(
+            request_id=rid,
+            frontend_id=0,
+            prompt_token_ids=list(range(prompt_len)),
+            params=SamplingParams(max_tokens=4),
+            arrival_time=0.0,
+        )
+    )
 
 
 def test_preemption_recomputes_the_newest_and_keeps_its_place():

@@ -16,13 +16,28 @@ from tests.server import Server
 
 pytestmark = pytest.mark.slow
 
-LONG = {"model": "tiny", "prompt": "count with me", "max_tokens": 1500, "ignore_eos": True,
-        "temperature": 0, "stream": True}
+LONG = {
+    "model": "tiny",
+    "prompt": "count with me",
+    "max_tokens": 1500,
+    "ignore_eos": True,
+    "temperature": 0,
+    "stream": True,
+}
 
 
 def _serve(model_dir, *extra):
-    return Server("--model", str(model_dir), "--dtype", "float32", "--served-model-name", "tiny",
-                  "--max-model-len", "2048", *extra)
+    return Server(
+        "--model",
+        str(model_dir),
+        "--dtype",
+        "float32",
+        "--served-model-name",
+        "tiny",
+        "--max-model-len",
+        "2048",
+        *extra,
+    )
 
 
 def _stats(server, headers=None) -> dict:
@@ -30,7 +45,9 @@ def _stats(server, headers=None) -> dict:
 
 
 def _shm_segments() -> set[str]:
-    return {p.name for p in Path("/dev/shm").glob("gapless*")} if Path("/dev/shm").exists() else set()
+    return (
+        {p.name for p in Path("/dev/shm").glob("gapless*")} if Path("/dev/shm").exists() else set()
+    )
 
 
 def test_api_key_and_disconnect_frees_kv(tiny_model_dir):
@@ -40,13 +57,17 @@ def test_api_key_and_disconnect_frees_kv(tiny_model_dir):
         assert httpx.get(s.url + "/health").status_code == 200
         r = httpx.post(s.url + "/v1/completions", json={"model": "tiny", "prompt": "x"})
         assert r.status_code == 401
-        r = httpx.post(s.url + "/v1/completions", json={"model": "tiny", "prompt": "x"},
-                       headers={"Authorization": "Bearer wrong"})
+        r = httpx.post(
+            s.url + "/v1/completions",
+            json={"model": "tiny", "prompt": "x"},
+            headers={"Authorization": "Bearer wrong"},
+        )
         assert r.status_code == 401
         idle = _stats(s, auth)
         assert idle["num_free_blocks"] == idle["num_total_blocks"]
-        with httpx.stream("POST", s.url + "/v1/completions", json=LONG, headers=auth,
-                          timeout=30) as resp:
+        with httpx.stream(
+            "POST", s.url + "/v1/completions", json=LONG, headers=auth, timeout=30
+        ) as resp:
             assert resp.status_code == 200
             lines = resp.iter_lines()
             for _ in range(5):
@@ -55,7 +76,10 @@ def test_api_key_and_disconnect_frees_kv(tiny_model_dir):
             assert busy["num_free_blocks"] < idle["num_free_blocks"]
         # the client went away mid-stream: its blocks come back within a second
         deadline = time.monotonic() + 1.5
-        while time.monotonic() < deadline and _stats(s, auth)["num_free_blocks"] != idle["num_free_blocks"]:
+        while (
+            time.monotonic() < deadline
+            and _stats(s, auth)["num_free_blocks"] != idle["num_free_blocks"]
+        ):
             time.sleep(0.05)
         after = _stats(s, auth)
         assert after["num_free_blocks"] == idle["num_free_blocks"] and after["num_running"] == 0

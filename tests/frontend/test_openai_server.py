@@ -15,8 +15,18 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir):
-    s = Server("--model", str(tiny_model_dir), "--dtype", "float32", "--served-model-name", "tiny",
-               "--max-num-seqs", "40", "--max-model-len", "512")
+    s = Server(
+        "--model",
+        str(tiny_model_dir),
+        "--dtype",
+        "float32",
+        "--served-model-name",
+        "tiny",
+        "--max-num-seqs",
+        "40",
+        "--max-model-len",
+        "512",
+    )
     yield s
     assert s.stop() == 0, s.read_log()
 
@@ -27,19 +37,30 @@ def client(server):
 
 
 def test_completion_and_usage(client):
-    r = client.completions.create(model="tiny", prompt="Hello there", max_tokens=5,
-                                  temperature=0, extra_body={"ignore_eos": True})
+    r = client.completions.create(
+        model="tiny",
+        prompt="Hello there",
+        max_tokens=5,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     assert r.choices[0].finish_reason == "length"
     assert r.usage.completion_tokens == 5 and r.usage.prompt_tokens > 0
     assert r.usage.total_tokens == r.usage.prompt_tokens + 5
 
 
 def test_streaming_completion_equals_non_streaming(client):
-    kw = dict(model="tiny", prompt="Once upon a time", max_tokens=12, temperature=0,
-              extra_body={"ignore_eos": True})
+    kw = dict(
+        model="tiny",
+        prompt="Once upon a time",
+        max_tokens=12,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     whole = client.completions.create(**kw).choices[0].text
-    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True},
-                                            **kw))
+    chunks = list(
+        client.completions.create(stream=True, stream_options={"include_usage": True}, **kw)
+    )
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == whole
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 12
@@ -48,35 +69,60 @@ def test_streaming_completion_equals_non_streaming(client):
 
 def test_chat_streaming_and_not(client):
     msgs = [{"role": "user", "content": "Say hi"}]
-    r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, temperature=0,
-                                       extra_body={"ignore_eos": True})
+    r = client.chat.completions.create(
+        model="tiny", messages=msgs, max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert r.choices[0].message.role == "assistant" and r.usage.completion_tokens == 6
-    stream = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=6,
-                                            temperature=0, stream=True,
-                                            extra_body={"ignore_eos": True})
+    stream = client.chat.completions.create(
+        model="tiny",
+        messages=msgs,
+        max_tokens=6,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
     text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
     assert text == r.choices[0].message.content
 
 
 def test_prompt_as_token_ids(client):
-    r = client.completions.create(model="tiny", prompt=[1, 2000, 3000], max_tokens=3,
-                                  temperature=0, extra_body={"ignore_eos": True})
+    r = client.completions.create(
+        model="tiny",
+        prompt=[1, 2000, 3000],
+        max_tokens=3,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     assert r.usage.prompt_tokens == 3 and r.usage.completion_tokens == 3
 
 
 def test_seeded_sampling_repeats(client):
-    kw = dict(model="tiny", prompt="abc", max_tokens=10, temperature=1.0, seed=42,
-              extra_body={"ignore_eos": True})
-    assert client.completions.create(**kw).choices[0].text == client.completions.create(
-        **kw).choices[0].text
+    kw = dict(
+        model="tiny",
+        prompt="abc",
+        max_tokens=10,
+        temperature=1.0,
+        seed=42,
+        extra_body={"ignore_eos": True},
+    )
+    assert (
+        client.completions.create(**kw).choices[0].text
+        == client.completions.create(**kw).choices[0].text
+    )
 
 
 def test_32_concurrent_greedy_streams_equal_their_solo_output(client):
     prompts = [f"Request number {i} says" for i in range(32)]
 
     def run(p: str) -> str:
-        stream = client.completions.create(model="tiny", prompt=p, max_tokens=16, temperature=0,
-                                           stream=True, extra_body={"ignore_eos": True})
+        stream = client.completions.create(
+            model="tiny",
+            prompt=p,
+            max_tokens=16,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
         return "".join(c.choices[0].text for c in stream if c.choices)
 
     solo = [run(p) for p in prompts[:8]]
@@ -103,8 +149,11 @@ def test_bad_inputs_get_clear_errors_and_the_engine_goes_on(server, client):
         r = httpx.post(url, json=body, timeout=30)
         assert r.status_code == status, (body, r.text)
         assert field in r.json()["error"]["message"], r.text
-    r = httpx.post(server.url + "/v1/chat/completions", timeout=30,
-                   json={"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]})
+    r = httpx.post(
+        server.url + "/v1/chat/completions",
+        timeout=30,
+        json={"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]},
+    )
     assert r.status_code == 400 and "role" in r.json()["error"]["message"]
     r = httpx.post(url, content=b"{not json", headers={"content-type": "application/json"})
     assert r.status_code == 400
@@ -112,8 +161,9 @@ def test_bad_inputs_get_clear_errors_and_the_engine_goes_on(server, client):
     assert r.status_code == 413
     assert httpx.get(server.url + "/v1/nothing").status_code == 404
     # and the engine still serves
-    ok = client.completions.create(model="tiny", prompt="still alive", max_tokens=2,
-                                   extra_body={"ignore_eos": True})
+    ok = client.completions.create(
+        model="tiny", prompt="still alive", max_tokens=2, extra_body={"ignore_eos": True}
+    )
     assert ok.usage.completion_tokens == 2
 
 

@@ -71,7 +71,9 @@ def _step(batch, model, kv, entries, seq, new=()):
     nb, blocks = [], []
     for slot, start, ids, _ in entries:
         end = start + (len(ids) if ids is not None else 1)
-        have = int(batch.num_blocks[slot]) + sum(n for n, e in zip(nb, entries) if e[0] == slot)
+        have = int(batch.num_blocks[slot]) + sum(
+            n for n, e in zip(nb, entries, strict=False) if e[0] == slot
+        )
         need = max(0, -(-end // BS) - have)
         nb.append(need)
         blocks.extend(slot * 16 + 1 + have + i for i in range(need))
