@@ -18,6 +18,7 @@ from core.messages import (
     EngineStats,
     FrontendInput,
     GetStats,
+    GetTimeline,
     RunnerError,
     RunnerInput,
     RunnerOutput,
@@ -27,6 +28,7 @@ from core.messages import (
     StopHit,
     TextDelta,
     TextDeltas,
+    Timeline,
     TokenBatch,
 )
 from core.process import (
@@ -39,6 +41,7 @@ from core.process import (
     stop_requested,
 )
 from core.scheduler import ScheduledStep, Scheduler, StepOutput
+from core.timeline import DeviceTimeline
 
 PROMPT_TAIL = 4  # prompt ids the detokenizer decodes in front of the first output token
 
@@ -65,6 +68,7 @@ class EngineCore:
             Sender(ctx, config.ipc(frontend_socket(i))) for i in range(config.api_servers)
         ]
         self.inflight: deque[ScheduledStep] = deque()
+        self.timeline = DeviceTimeline(config)
         self._ended: list[tuple[str, str]] = []  # (request id, reason) to tell the detokenizer
         self._shutdown = False
 
@@ -95,10 +99,22 @@ class EngineCore:
                         num_total_blocks=s.blocks.num_usable,
                     )
                 )
+            case GetTimeline(frontend_id=fid, token=token, last=last):
+                tl = self.timeline
+                self.frontends[fid].send(
+                    Timeline(
+                        token=token,
+                        device=tl.device,
+                        overlap=tl.overlap,
+                        steps=tl.last(last),
+                        summary=tl.summary(),
+                    )
+                )
             case Shutdown():
                 self._shutdown = True
 
     def _add(self, msg: AddRequest) -> None:
+        self.timeline.work_arrived(time.perf_counter())
         req = self.scheduler.add_request(msg)
         why = self.scheduler.fits_ever(req)
         if why is not None:
@@ -132,18 +148,37 @@ class EngineCore:
 
     def plan_ahead(self) -> None:
         while len(self.inflight) < self.depth:
+            t0 = time.perf_counter()
             step = self.scheduler.schedule()
             if step is None:
                 return
+            step.plan_sent = time.perf_counter()
+            step.schedule_s = step.plan_sent - t0
             self.runner.send(step.plan)
             self.inflight.append(step)
 
     # 3. results -----------------------------------------------------------------------------
 
     def apply(self, result: StepResult) -> None:
+        t0 = time.perf_counter()
         step = self.inflight.popleft()
         out = self.scheduler.update_from_output(step, result)
         self._send_tokens(out, result)
+        done = time.perf_counter()
+        plan = step.plan
+        self.timeline.record(
+            seq=plan.seq,
+            plan_sent=step.plan_sent,
+            schedule_s=step.schedule_s,
+            num_tokens=step.num_prefill_tokens + step.num_decode_tokens,
+            num_seqs=len(plan.slots),
+            num_prefill_tokens=step.num_prefill_tokens,
+            result=result,
+            applied=done,
+            apply_s=done - t0,
+        )
+        if not self.inflight and not self.scheduler.has_work:
+            self.timeline.went_empty()
 
     def _send_tokens(self, out: StepOutput, result: StepResult | None) -> None:
         if not out.requests and not self._ended:
@@ -194,6 +229,7 @@ class EngineCore:
                         self.apply(result)
                     case RunnerError(message=message):
                         raise RuntimeError(f"gpu_runner failed: {message}")
+        self.timeline.close()
 
 
 def run_core(config: EngineConfig) -> None:

@@ -78,7 +78,15 @@ class GetStats(_Msg):
     token: int
 
 
-CoreInput = AddRequest | Abort | StopHit | Shutdown | GetStats
+class GetTimeline(_Msg):
+    """Ask the core for its last `last` steps; it answers with Timeline to the frontend."""
+
+    frontend_id: int
+    token: int
+    last: int
+
+
+CoreInput = AddRequest | Abort | StopHit | Shutdown | GetStats | GetTimeline
 
 
 # ---------------------------------------------------------------- core -> gpu_runner
@@ -226,7 +234,47 @@ class EngineStats(_Msg):
     num_total_blocks: int
 
 
-FrontendInput = TextDeltas | EngineDead | EngineStats
+class StepRecord(msgspec.Struct, omit_defaults=True, gc=False):
+    """One step of the device timeline. Times are seconds on time.perf_counter's clock, which
+    is CLOCK_MONOTONIC and so shared by every process of the engine."""
+
+    seq: int
+    plan_sent: float  # core
+    plan_received: float  # runner
+    launched: float
+    device_start: float
+    device_end: float
+    published: float  # runner sent the ids
+    result_applied: float  # core finished applying them
+    num_tokens: int
+    num_seqs: int
+    num_prefill_tokens: int
+    schedule_ms: float
+    prepare_ms: float
+    forward_ms: float
+    sample_ms: float
+    apply_ms: float
+    idle_before_ms: float  # device idle between the previous step and this one, work waiting
+    waiting: bool  # requests were in the engine during that gap
+    detokenize_ms: float | None = None
+    stream_ms: float | None = None
+
+
+class TimelineSummary(msgspec.Struct, gc=False):
+    busy_s: float  # device busy over every step since start
+    idle_s: float  # device idle while work was waiting, since start
+    idle_fraction: float  # idle_s / (busy_s + idle_s)
+
+
+class Timeline(_Msg):
+    token: int
+    device: str  # "cpu", "cuda" or "sim:<profile>"
+    overlap: bool
+    steps: list[StepRecord]
+    summary: TimelineSummary
+
+
+FrontendInput = TextDeltas | EngineDead | EngineStats | Timeline
 
 
 # ---------------------------------------------------------------- every process -> supervisor

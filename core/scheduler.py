@@ -23,6 +23,8 @@ class ScheduledStep:
     sampled: list[Request]  # requests of the entries that sample, in entry order
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
+    plan_sent: float = 0.0  # perf_counter when the plan left the core
+    schedule_s: float = 0.0  # time spent building it
 
 
 @dataclass

@@ -7,9 +7,11 @@ import hmac
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from urllib.parse import parse_qs
 
 import msgspec
 
+from core.timeline import KEEP_STEPS
 from frontend.asgi import ClientGone, HttpRequest, Receive, Responder, Scope, Send, encoder
 from frontend.chat import handle_chat
 from frontend.completions import handle_completions
@@ -45,6 +47,7 @@ class App:
             "/health": {"GET": self._health},
             "/openapi.json": {"GET": self._openapi_json},
             "/v1/engine/stats": {"GET": self._engine_stats},
+            "/v1/engine/timeline": {"GET": self._engine_timeline},
         }
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -132,6 +135,26 @@ class App:
                 "num_waiting": stats.num_waiting,
                 "num_free_blocks": stats.num_free_blocks,
                 "num_total_blocks": stats.num_total_blocks,
+            },
+        )
+
+    async def _engine_timeline(self, req: HttpRequest, out: Responder, identity: str) -> None:
+        """The device timeline of the last `last` steps (default 256) and idle totals."""
+        query = parse_qs(req.scope.get("query_string", b"").decode("latin-1"))
+        raw = query.get("last", ["256"])[-1]
+        if not raw.isdigit() or int(raw) > KEEP_STEPS:
+            raise ApiError(400, f"`last` must be an integer from 0 to {KEEP_STEPS}", param="last")
+        try:
+            timeline = await self.state.engine.get_timeline(int(raw))
+        except (EngineDeadError, TimeoutError) as e:
+            raise ApiError(503, f"engine unavailable: {e}", code="engine_unavailable") from e
+        await out.json(
+            200,
+            {
+                "device": timeline.device,
+                "overlap": timeline.overlap,
+                "steps": timeline.steps,
+                "summary": timeline.summary,
             },
         )
 

@@ -25,9 +25,11 @@ from core.messages import (
     EngineStats,
     FrontendInput,
     GetStats,
+    GetTimeline,
     SamplingParams,
     TextDelta,
     TextDeltas,
+    Timeline,
 )
 from core.process import CORE_IN, frontend_socket
 
@@ -53,7 +55,7 @@ class EngineClient:
         self._send = send
         self._queues: dict[str, asyncio.Queue[TextDelta | object]] = {}  # engine id -> queue
         self._counter = itertools.count()
-        self._stats: dict[int, asyncio.Future[EngineStats]] = {}
+        self._replies: dict[int, asyncio.Future] = {}  # token -> answer of the core
         self._on_dead: list[Callable[[str], None]] = []
 
     def next_request_id(self) -> str:
@@ -76,8 +78,8 @@ class EngineClient:
                         queue.put_nowait(delta)
             case EngineDead(reason=reason):
                 self._mark_dead(reason)
-            case EngineStats(token=token):
-                waiter = self._stats.pop(token, None)
+            case EngineStats(token=token) | Timeline(token=token):
+                waiter = self._replies.pop(token, None)
                 if waiter is not None and not waiter.done():
                     waiter.set_result(msg)
 
@@ -92,10 +94,10 @@ class EngineClient:
         )
         for queue in {id(q): q for q in self._queues.values()}.values():
             queue.put_nowait(_DEAD)
-        for waiter in self._stats.values():
+        for waiter in self._replies.values():
             if not waiter.done():
                 waiter.set_exception(EngineDeadError(self.dead_reason))
-        self._stats.clear()
+        self._replies.clear()
         for callback in self._on_dead:
             callback(self.dead_reason)
 
@@ -165,16 +167,23 @@ class EngineClient:
             await stream.aclose()
 
     async def get_stats(self, timeout_s: float = 1.0) -> EngineStats:
+        return await self._ask(lambda token: GetStats(self.frontend_id, token), timeout_s)
+
+    async def get_timeline(self, last: int, timeout_s: float = 2.0) -> Timeline:
+        return await self._ask(lambda token: GetTimeline(self.frontend_id, token, last), timeout_s)
+
+    async def _ask(self, make: Callable[[int], CoreInput], timeout_s: float):
+        """Send one question to the core and wait for the answer carrying the same token."""
         if not self.healthy:
             raise EngineDeadError(self.dead_reason)
         token = next(self._counter)
-        waiter: asyncio.Future[EngineStats] = asyncio.get_running_loop().create_future()
-        self._stats[token] = waiter
-        self._send(GetStats(self.frontend_id, token))
+        waiter: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._replies[token] = waiter
+        self._send(make(token))
         try:
             return await asyncio.wait_for(waiter, timeout_s)
         finally:
-            self._stats.pop(token, None)
+            self._replies.pop(token, None)
 
 
 class ZmqEngineClient(EngineClient):

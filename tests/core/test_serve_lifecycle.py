@@ -141,3 +141,25 @@ def test_killed_runner_ends_streams_with_an_error_and_serve_exits(tiny_model_dir
     assert s.proc.wait(30) != 0, "serve exits non-zero when the engine dies"
     s.read_log()
     assert not os.path.exists(run_dir)
+
+
+def test_timeline_endpoint_and_trace_file(tiny_model_dir, tmp_path):
+    trace = tmp_path / "trace.json"
+    s = _serve(tiny_model_dir, "--trace-file", str(trace))
+    try:
+        body = {"model": "tiny", "prompt": "timeline", "max_tokens": 20, "ignore_eos": True}
+        assert httpx.post(s.url + "/v1/completions", json=body, timeout=30).status_code == 200
+        tl = httpx.get(s.url + "/v1/engine/timeline?last=10", timeout=10).json()
+        assert tl["device"] == "cpu" and tl["overlap"] is True
+        assert 1 <= len(tl["steps"]) <= 10
+        step = tl["steps"][-1]
+        assert step["plan_sent"] <= step["plan_received"] <= step["launched"]
+        assert step["device_start"] <= step["device_end"] <= step["published"]
+        assert step["published"] <= step["result_applied"]
+        assert tl["summary"]["busy_s"] > 0 and 0 <= tl["summary"]["idle_fraction"] <= 1
+        assert httpx.get(s.url + "/v1/engine/timeline?last=x").status_code == 400
+    finally:
+        assert s.stop() == 0, s.read_log()
+    events = json.loads(trace.read_text())
+    steps = [e for e in events if e.get("ph") == "X" and e["name"].startswith("step")]
+    assert len(steps) >= 20 and all(e["dur"] >= 0 for e in steps)
