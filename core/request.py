@@ -14,12 +14,11 @@ class Status(Enum):
 
 
 class Request:
-    """Token bookkeeping under a pipeline that runs ahead of results.
+    """A request's ids and identity. Its token counters are kept here only while it is not
+    running; a running request's live in core/running.py's arrays, by slot.
 
     num_total counts prompt tokens plus every output token that is known or that a step in
-    flight will produce; num_computed counts tokens whose KV a sent step writes. While
-    running, num_total - num_computed is 1 in decode (the last sampled token, read on the
-    device) and more during (re)prefill.
+    flight will produce (num_pending of them).
     """
 
     __slots__ = (
@@ -58,11 +57,9 @@ class Request:
         self.finish_reason: str | None = None
         self.slot = -1
         self.blocks: list[int] = []
-        self.num_blocks_sent = 0
         self.num_computed = 0
         self.num_total = len(self.prompt_ids)
         self.num_pending = 0  # samples in steps not yet applied
-        self.prefill_end = 0  # positions from here on were sampled in the current slot
         self.num_preemptions = 0
         self.first_step_time: float | None = None
         ids = set(self.params.stop_token_ids)
@@ -86,10 +83,3 @@ class Request:
         return (self.prompt_ids[start:] if start < p else []) + self.output_ids[
             max(0, start - p) : end - p
         ]
-
-    def reached_limit(self, max_model_len: int) -> bool:
-        """No further sample may be scheduled: max_tokens or the context is used up."""
-        return (
-            self.num_total - self.num_prompt >= self.params.max_tokens
-            or self.num_total >= max_model_len
-        )

@@ -2,7 +2,9 @@
 
 Contract: `schedule() -> ScheduledStep | None` plans the next step assuming every running
 request continues; `update_from_output(step, result) -> StepOutput` applies a step's sampled
-ids once they arrive. Several steps may be in flight between the two.
+ids once they arrive. Several steps may be in flight between the two. Running requests'
+counters live in arrays indexed by slot (core/running.py), so a decode step is planned and
+applied with array operations over the batch.
 """
 
 from __future__ import annotations
@@ -15,12 +17,17 @@ import numpy as np
 from core.kv_blocks import BlockManager, SlotManager
 from core.messages import AddRequest, NewSlot, StepPlan, StepResult
 from core.request import Request, Status
+from core.running import RunningBatch
+
+_EMPTY = np.zeros(0, np.int64)
 
 
 @dataclass
 class ScheduledStep:
     plan: StepPlan
     sampled: list[Request]  # requests of the entries that sample, in entry order
+    sample_slots: np.ndarray = field(default_factory=lambda: _EMPTY)  # [B_s] slots
+    sample_epochs: np.ndarray = field(default_factory=lambda: _EMPTY)  # [B_s] slot epochs
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
     plan_sent: float = 0.0  # perf_counter when the plan left the core
@@ -50,12 +57,15 @@ class Scheduler:
     ) -> None:
         self.blocks = BlockManager(num_blocks, block_size)
         self.slots = SlotManager(max_num_seqs)
+        self.rb = RunningBatch(max_num_seqs, max_model_len)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
+        self._eos = np.asarray(eos_token_ids, np.int64)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order; the newest is preempted first
+        self._run_slots: np.ndarray | None = None  # slots of `running`, rebuilt on change
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self._seq = 0
@@ -71,6 +81,8 @@ class Scheduler:
 
     def fits_ever(self, req: Request) -> str | None:
         """Why a request could never run on this engine, or None."""
+        if req.num_prompt >= self.max_model_len:
+            return f"the prompt has {req.num_prompt} tokens; the context holds {self.max_model_len}"
         need = min(req.num_prompt + req.params.max_tokens, self.max_model_len)
         if self.blocks.blocks_for(need) > self.blocks.num_usable:
             return (
@@ -84,8 +96,7 @@ class Scheduler:
         if req.finished:
             return False
         if req.status is Status.RUNNING:
-            self.running.remove(req)
-            self._release(req)
+            self._leave_slot(req)
         else:
             self.waiting.remove(req)
         req.status = Status.FINISHED
@@ -94,22 +105,22 @@ class Scheduler:
             del self.requests[req.request_id]
         return True
 
-    def _release(self, req: Request) -> None:
-        self.blocks.free(req.blocks)
-        req.blocks = []
-        req.num_blocks_sent = 0
-        self.slots.free(req.slot)
-        req.slot = -1
-
     def preempt(self, req: Request) -> None:
         """Free a running request's KV and slot; it recomputes later, first in line."""
-        self.running.remove(req)
-        self._release(req)
+        self._leave_slot(req)
         req.status = Status.WAITING
-        req.num_computed = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
+
+    def _leave_slot(self, req: Request) -> None:
+        self.running.remove(req)
+        self._run_slots = None
+        self.rb.release(req.slot)
+        self.blocks.free(req.blocks)
+        req.blocks = []
+        self.slots.free(req.slot)
+        req.slot = -1
 
     @property
     def has_work(self) -> bool:
@@ -118,152 +129,171 @@ class Scheduler:
     # ------------------------------------------------------------------ planning
 
     def schedule(self) -> ScheduledStep | None:
-        budget = self.max_num_batched_tokens
-        entries: list[tuple[Request, int, bool]] = []  # (request, num tokens, samples)
+        run_slots, run_take = self._plan_running()
+        budget = self.max_num_batched_tokens - int(run_take.sum())
+        new_slots, adm_slots, adm_take = self._admit(budget)
+        slots = np.concatenate([run_slots, adm_slots]) if len(adm_slots) else run_slots
+        take = np.concatenate([run_take, adm_take]) if len(adm_take) else run_take
+        freed = self.slots.take_freed()
+        if not len(slots) and not freed:
+            return None
+        return self._build(slots, take, new_slots, freed)
+
+    def _running_slots(self) -> np.ndarray:
+        if self._run_slots is None:
+            self._run_slots = np.fromiter(
+                (r.slot for r in self.running), np.int64, len(self.running)
+            )
+        return self._run_slots
+
+    def _plan_running(self) -> tuple[np.ndarray, np.ndarray]:
+        """Tokens each running request feeds this step, preempting the newest while the KV
+        blocks they need are not there. Returns (slots, tokens) of the entries, oldest first."""
+        rb, bs = self.rb, self.blocks.block_size
+        while self.running:
+            rs = self._running_slots()
+            total, comp = rb.total(rs), rb.computed[rs]
+            need = total - comp
+            # a request whose last allowed sample is in flight feeds nothing until it finishes
+            need[(need == 1) & (total >= rb.limit[rs])] = 0
+            before = np.cumsum(need) - need
+            take = np.clip(self.max_num_batched_tokens - before, 0, need)
+            grow = np.maximum(-(-(comp + take) // bs) - rb.num_blocks[rs], 0)
+            if self.blocks.can_allocate(int(grow.sum())):
+                for j in np.flatnonzero(grow):
+                    req = self.running[j]
+                    req.blocks.extend(self.blocks.allocate(int(grow[j])))
+                rb.num_blocks[rs] += grow
+                keep = take > 0
+                return rs[keep], take[keep]
+            self.preempt(self.running[-1])
+        return _EMPTY, _EMPTY
+
+    def _admit(self, budget: int) -> tuple[list[NewSlot], np.ndarray, np.ndarray]:
+        """Waiting requests in order take seats while the budget and KV blocks last; a
+        preempted one waits until its tokens in flight are known."""
         new_slots: list[NewSlot] = []
-
-        # 1. running requests: decodes and unfinished prompt chunks, oldest first
-        i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            n = min(req.num_total - req.num_computed, budget)
-            if n == 0 or (
-                req.num_computed + n == req.num_total and req.reached_limit(self.max_model_len)
-            ):
-                i += 1
-                continue
-            if not self._grow(req, n):
-                victim = self.running[-1]
-                self.preempt(victim)
-                if victim is req:
-                    break
-                continue
-            entries.append(self._take(req, n))
-            budget -= n
-            i += 1
-
-        # 2. waiting requests, in order; a preempted one waits until its tokens are known
+        slots: list[int] = []
+        takes: list[int] = []
         skipped: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
             if req.num_pending:
                 skipped.append(self.waiting.popleft())
                 continue
-            n = min(req.num_total - req.num_computed, budget)
-            if not self.blocks.can_allocate(self.blocks.blocks_for(n)):
+            n = min(req.num_total, budget)
+            nb = self.blocks.blocks_for(n)
+            if not self.blocks.can_allocate(nb):
                 break
             self.waiting.popleft()
-            req.slot = self.slots.allocate()
             req.status = Status.RUNNING
-            req.prefill_end = req.num_total
+            req.slot = self.slots.allocate()
+            req.blocks = self.blocks.allocate(nb)
+            self.rb.admit(req, req.slot)
+            self.rb.num_blocks[req.slot] = nb
             self.running.append(req)
-            self._grow(req, n)
+            self._run_slots = None
             new_slots.append(
                 NewSlot(slot=req.slot, params=req.params, num_prompt_tokens=req.num_prompt)
             )
-            entries.append(self._take(req, n))
+            slots.append(req.slot)
+            takes.append(n)
             budget -= n
         self.waiting.extendleft(reversed(skipped))
+        return new_slots, np.asarray(slots, np.int64), np.asarray(takes, np.int64)
 
-        freed = self.slots.take_freed()
-        if not entries and not freed:
-            return None
-        return self._build(entries, new_slots, freed)
-
-    def _grow(self, req: Request, n: int) -> bool:
-        need = self.blocks.blocks_for(req.num_computed + n) - len(req.blocks)
-        if need <= 0:
-            return True
-        if not self.blocks.can_allocate(need):
-            return False
-        req.blocks.extend(self.blocks.allocate(need))
-        return True
-
-    def _take(self, req: Request, n: int) -> tuple[Request, int, bool]:
-        """Advance the request's counters for an entry of n tokens."""
-        samples = req.num_computed + n == req.num_total
-        req.num_computed += n
-        if samples:
-            req.num_total += 1
-            req.num_pending += 1
-        return req, n, samples
-
-    def _build(self, entries, new_slots, freed) -> ScheduledStep:
-        b = len(entries)
-        slots, num_tokens, start_pos, has_tokens, sample, num_new_blocks = (
-            [0] * b,
-            [0] * b,
-            [0] * b,
-            [False] * b,
-            [False] * b,
-            [0] * b,
-        )
+    def _build(self, slots, take, new_slots, freed) -> ScheduledStep:
+        rb = self.rb
+        start = rb.computed[slots]
+        sample = start + take == rb.total(slots)
+        has_tokens = start < rb.prefill_end[slots]
         token_ids: list[int] = []
+        for j in np.flatnonzero(has_tokens):  # prompt chunks and recomputes: a few per step
+            req = rb.req[slots[j]]
+            token_ids.extend(req.known_tokens(int(start[j]), int(start[j] + take[j])))
+        assert (take[~has_tokens] == 1).all(), "a device-fed entry has one token"
+        new_count = rb.num_blocks[slots] - rb.num_sent[slots]
         new_blocks: list[int] = []
-        sampled: list[Request] = []
-        num_prefill = num_decode = 0
-        for j, (req, n, samples) in enumerate(entries):
-            start = req.num_computed - n
-            slots[j], num_tokens[j], start_pos[j], sample[j] = req.slot, n, start, samples
-            if start >= req.prefill_end:
-                # a token sampled in this slot: only the runner's last_token[slot] may hold it yet
-                assert n == 1, "a device-fed entry has one token"
-                num_decode += 1
-            else:
-                has_tokens[j] = True
-                token_ids.extend(req.known_tokens(start, start + n))
-                num_prefill += n
-            if len(req.blocks) > req.num_blocks_sent:
-                num_new_blocks[j] = len(req.blocks) - req.num_blocks_sent
-                new_blocks.extend(req.blocks[req.num_blocks_sent :])
-                req.num_blocks_sent = len(req.blocks)
-            if samples:
-                sampled.append(req)
+        for j in np.flatnonzero(new_count):  # one block per request every block_size steps
+            req = rb.req[slots[j]]
+            new_blocks.extend(req.blocks[int(rb.num_sent[slots[j]]) :])
+        rb.num_sent[slots] = rb.num_blocks[slots]
+        rb.computed[slots] += take
+        sample_slots = slots[sample]
+        rb.pending[sample_slots] += 1
         self._seq += 1
         plan = StepPlan(
             seq=self._seq,
             new_slots=new_slots,
             freed_slots=freed,
-            slots=slots,
-            num_tokens=num_tokens,
-            start_pos=start_pos,
-            has_tokens=has_tokens,
+            slots=slots.tolist(),
+            num_tokens=take.tolist(),
+            start_pos=start.tolist(),
+            has_tokens=has_tokens.tolist(),
             token_ids=token_ids,
-            sample=sample,
-            num_new_blocks=num_new_blocks,
+            sample=sample.tolist(),
+            num_new_blocks=new_count.tolist(),
             new_blocks=new_blocks,
         )
-        return ScheduledStep(plan, sampled, num_prefill, num_decode)
+        return ScheduledStep(
+            plan=plan,
+            sampled=[rb.req[s] for s in sample_slots.tolist()],
+            sample_slots=sample_slots,
+            sample_epochs=rb.epoch[sample_slots].copy(),
+            num_prefill_tokens=int(take[has_tokens].sum()),
+            num_decode_tokens=int((~has_tokens).sum()),
+        )
 
     # ------------------------------------------------------------------ results
 
     def update_from_output(self, step: ScheduledStep, result: StepResult) -> StepOutput:
         """Append sampled ids, check token stops for the whole batch, finish what ended."""
         assert result.seq == step.plan.seq, f"result {result.seq} for plan {step.plan.seq}"
-        out = StepOutput()
-        tokens = np.asarray(result.token_ids, dtype=np.int64)
-        for row, req in enumerate(step.sampled):
-            req.num_pending -= 1
-            if req.finished:
-                # the one extra token of a request that ended a step earlier: dropped
-                if req.num_pending == 0:
-                    self.requests.pop(req.request_id, None)
-                continue
-            tok = int(tokens[row])
-            req.output_ids.append(tok)
-            if tok in req.stop_ids:
-                reason = "stop"
-            elif len(req.output_ids) >= req.params.max_tokens or (
-                req.num_prompt + len(req.output_ids) >= self.max_model_len
-            ):
-                reason = "length"
-            else:
-                reason = ""
-            if reason:
-                self.finish(req, reason)
-            out.requests.append(req)
-            out.token_ids.append(tok)
-            out.finish_reasons.append(reason)
-            if req.params.logprobs is not None:
-                out.logprob_rows.append(row)
+        rb, out = self.rb, StepOutput()
+        tokens = np.asarray(result.token_ids, np.int64)
+        slots = step.sample_slots
+        live = rb.epoch[slots] == step.sample_epochs  # still the same request in that slot
+        rows = np.flatnonzero(live)
+        s, t = slots[rows], tokens[rows]
+        rb.pending[s] -= 1
+        rb.out[s, rb.out_len[s]] = t
+        rb.out_len[s] += 1
+        stop = (t[:, None] == self._eos).any(1) & ~rb.ignore_eos[s]
+        for j in np.flatnonzero(rb.has_stop_ids[s]):
+            stop[j] |= int(t[j]) in step.sampled[rows[j]].params.stop_token_ids
+        length = (rb.out_len[s] >= rb.max_tokens[s]) | (
+            rb.prompt_len[s] + rb.out_len[s] >= self.max_model_len
+        )
+        reasons = np.where(stop, "stop", np.where(length, "length", "")).tolist()
+        out.requests = [step.sampled[j] for j in rows.tolist()]
+        out.token_ids = t.tolist()
+        out.finish_reasons = reasons
+        for j in np.flatnonzero(stop | length):
+            self.finish(out.requests[j], reasons[j])
+        out.logprob_rows = rows[rb.wants_logprobs[s]].tolist()
+        for row in np.flatnonzero(~live).tolist():  # preempted or finished since planning
+            self._apply_moved(step.sampled[row], int(tokens[row]), row, out)
         return out
+
+    def _apply_moved(self, req: Request, tok: int, row: int, out: StepOutput) -> None:
+        req.num_pending -= 1
+        if req.finished:
+            # the one extra token of a request that ended a step earlier: dropped
+            if req.num_pending == 0:
+                self.requests.pop(req.request_id, None)
+            return
+        req.output_ids.append(tok)  # preempted: the id is valid, its recompute will feed it
+        n = len(req.output_ids)
+        if tok in req.stop_ids:
+            reason = "stop"
+        elif n >= req.params.max_tokens or req.num_prompt + n >= self.max_model_len:
+            reason = "length"
+        else:
+            reason = ""
+        if reason:
+            self.finish(req, reason)
+        out.requests.append(req)
+        out.token_ids.append(tok)
+        out.finish_reasons.append(reason)
+        if req.params.logprobs is not None:
+            out.logprob_rows.append(row)

@@ -1,0 +1,68 @@
+"""Benchmarks of the core's per-step hot paths in steady decode: planning and applying."""
+
+from __future__ import annotations
+
+import pytest
+
+from core.messages import StepResult
+from tests.core.test_scheduler import make_requests, make_scheduler
+
+SIZES = [1, 32, 256]
+
+
+def steady(batch: int):
+    s = make_scheduler(
+        num_blocks=batch * 40 + 1,
+        block_size=16,
+        max_num_seqs=batch,
+        max_num_batched_tokens=max(512, batch),
+        max_model_len=4096,
+    )
+    make_requests(s, batch, prompt_len=16, max_tokens=3000)
+    while s.waiting or any(s.rb.computed[r.slot] < 16 for r in s.running):  # the prompts
+        step = s.schedule()
+        s.update_from_output(step, _result(step))
+    return s
+
+
+def _result(step) -> StepResult:
+    return StepResult(
+        seq=step.plan.seq,
+        token_ids=[7] * len(step.sampled),
+        logprobs=[],
+        top_counts=[],
+        top_ids=[],
+        top_logprobs=[],
+    )
+
+
+@pytest.mark.parametrize("batch", SIZES)
+def test_bench_core_plan(benchmark, batch):
+    s = steady(batch)
+    box = {}
+
+    def apply_previous():
+        if "step" in box:
+            s.update_from_output(box["step"], _result(box["step"]))
+
+    def plan():
+        box["step"] = s.schedule()
+
+    benchmark.pedantic(plan, setup=apply_previous, rounds=50 if batch > 1 else 200)
+    assert len(box["step"].plan.slots) == batch and not any(box["step"].plan.has_tokens)
+
+
+@pytest.mark.parametrize("batch", SIZES)
+def test_bench_core_apply(benchmark, batch):
+    s = steady(batch)
+    box = {}
+
+    def plan_next():
+        box["step"] = s.schedule()
+        box["result"] = _result(box["step"])
+
+    def apply():
+        box["out"] = s.update_from_output(box["step"], box["result"])
+
+    benchmark.pedantic(apply, setup=plan_next, rounds=50 if batch > 1 else 200)
+    assert len(box["out"].requests) == batch
