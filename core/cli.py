@@ -8,6 +8,7 @@ import re
 import sys
 
 from core.config import EngineConfig
+from gpu_runner.sim_profiles import list_profiles
 
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "ki": 2**10, "mi": 2**20, "gi": 2**30}
 
@@ -42,7 +43,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--threads", type=int, default=default_threads(), help="torch threads on cpu")
     p.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
-    p.add_argument("--sim-profile", default="h100-llama3-8b", help="timing profile of --device sim")
+    p.add_argument("--sim-profile", default="h100-llama3-8b", choices=list_profiles(),
+                   help="timing profile of --device sim (docs/sim-profiles.md); the KV capacity "
+                   "comes from the profile, --model gives the tokenizer and context length")
     p.add_argument("--no-cuda-graph", action="store_true", help="run cuda decode steps eagerly")
     p.add_argument("--trace-file", help="write the device timeline as a Chrome trace here")
     p.add_argument("--host", default="127.0.0.1")

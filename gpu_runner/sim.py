@@ -1,0 +1,183 @@
+"""The `sim` device: an asynchronous accelerator emulated from a timing profile, no weights.
+
+A launch does the host-side work of a real runner (slots, block tables, per-token cache rows,
+in numpy) and queues the step on an emulated device that runs steps back to back:
+device_start = max(launch time, device_free_at), device_end = device_start + t_step (the
+profile's modelled time, sim). Sampled ids are drawn from a seeded generator over the real
+tokenizer's ordinary tokens, never EOS or special tokens, so requests end by length or stop
+strings and detokenization does real work.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from core.config import EngineConfig
+from core.messages import StepPlan, StepResult, StepTiming
+from core.model_files import load_tokenizer
+from gpu_runner.sim_profiles import get_profile, num_kv_blocks, step_time
+
+
+def ordinary_token_ids(config: EngineConfig) -> np.ndarray:
+    """[V'] int64: ids of the tokenizer that are not added/special tokens or EOS and decode
+    to visible text (byte pieces that decode to U+FFFD alone are left out too)."""
+    tok = load_tokenizer(config.model)
+    n = tok.get_vocab_size(with_added_tokens=True)
+    excluded = set(tok.get_added_tokens_decoder()) | set(config.model.eos_token_ids)
+    texts = tok.decode_batch([[i] for i in range(n)], skip_special_tokens=False)
+    ids = [i for i, t in enumerate(texts) if i not in excluded and t.strip() and "\ufffd" not in t]
+    assert ids, f"{config.model.path}: the tokenizer has no ordinary tokens"
+    return np.asarray(ids, dtype=np.int64)
+
+
+@dataclass
+class SimStep:
+    """A launched step: its sampled ids and emulated device timeline (perf_counter seconds)."""
+
+    seq: int
+    token_ids: np.ndarray  # [B_s] int64
+    asks: np.ndarray  # [B_s] int64, logprobs each sampled row asked for (-1: none)
+    received: float
+    launched: float
+    device_start: float
+    device_end: float
+    ready_at: float  # device_end plus the modelled device-to-host copy
+
+
+class SimBackend:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.profile = get_profile(config.sim_profile)
+        self.num_blocks = num_kv_blocks(
+            self.profile, config.block_size, config.max_num_seqs, config.model.max_model_len
+        )
+        assert self.num_blocks >= 2, f"{self.profile.name}: no room for KV blocks"
+        self.vocab = ordinary_token_ids(config)
+        # why two streams: launches and collects interleave by timing, draws must not
+        self.rng = np.random.default_rng([config.seed, 0])  # sampled ids, at launch
+        self.top_rng = np.random.default_rng([config.seed, 1])  # top-logprob ids, at collect
+        slots = config.max_num_seqs
+        max_blocks = -(-config.model.max_model_len // config.block_size)
+        self.block_table = np.zeros((slots, max_blocks), dtype=np.int32)
+        self.num_slot_blocks = np.zeros(slots, dtype=np.int64)
+        self.active = np.zeros(slots, dtype=bool)
+        self.num_logprobs = np.full(slots, -1, dtype=np.int64)  # -1: not asked
+        # top-k logprobs of rank r: log(2^-(r+1)), the sampled token at rank 0 (sim)
+        k = max(config.max_logprobs, 1)
+        self.rank_logprobs = -np.log(2.0) * np.arange(1, k + 1)
+        self.device_free_at = 0.0
+        self.last_seq = 0
+
+    # ------------------------------------------------------------------ the Backend contract
+
+    def launch(self, plan: StepPlan) -> SimStep:
+        received = time.perf_counter()
+        assert plan.seq == self.last_seq + 1, f"plan {plan.seq} after {self.last_seq}: out of order"
+        self.last_seq = plan.seq
+        self._apply_slots(plan)
+        if not plan.slots:
+            none = np.zeros(0, np.int64)
+            return SimStep(plan.seq, none, none, received, received, received, received, received)
+        num_tokens, num_prefill, total_context, attended, sample_slots = self._prepare(plan)
+        token_ids = self.vocab[self.rng.integers(0, len(self.vocab), len(sample_slots))]
+        t_step = step_time(
+            self.profile, num_tokens, len(plan.slots), total_context, num_prefill, attended
+        )
+        launched = time.perf_counter()
+        start = max(launched, self.device_free_at)
+        end = start + t_step
+        self.device_free_at = end
+        asks = self.num_logprobs[sample_slots]
+        ready = end + self.profile.d2h_us * 1e-6
+        return SimStep(plan.seq, token_ids, asks, received, launched, start, end, ready)
+
+    def seconds_until_ready(self, handle: SimStep) -> float:
+        return max(0.0, handle.ready_at - time.perf_counter())
+
+    def collect(self, handle: SimStep) -> StepResult:
+        wait = handle.ready_at - time.perf_counter()
+        if wait > 0:
+            time.sleep(wait)
+        result = StepResult(
+            seq=handle.seq,
+            token_ids=handle.token_ids.tolist(),
+            logprobs=[],
+            top_counts=[],
+            top_ids=[],
+            top_logprobs=[],
+        )
+        if (handle.asks >= 0).any():
+            self._fill_logprobs(result, handle)
+        h = handle
+        result.timing = StepTiming(
+            plan_received=h.received,
+            launched=h.launched,
+            device_start=h.device_start,
+            device_end=h.device_end,
+            published=time.perf_counter(),
+            prepare_s=h.launched - h.received,
+            forward_s=h.device_end - h.device_start,
+        )
+        return result
+
+    # ------------------------------------------------------------------ host-side work
+
+    def _apply_slots(self, plan: StepPlan) -> None:
+        freed = np.asarray(plan.freed_slots, dtype=np.int64)
+        assert self.active[freed].all(), "plan frees a slot that is not in use"
+        self.active[freed] = False
+        self.num_logprobs[freed] = -1
+        for new in plan.new_slots:
+            assert not self.active[new.slot], f"slot {new.slot} added twice"
+            self.active[new.slot] = True
+            self.num_slot_blocks[new.slot] = 0
+            lp = new.params.logprobs
+            self.num_logprobs[new.slot] = -1 if lp is None else min(lp, self.config.max_logprobs)
+
+    def _prepare(self, plan: StepPlan) -> tuple[int, int, int, int, np.ndarray]:
+        """Block tables and per-token cache rows, as a real runner builds its inputs.
+
+        Returns (tokens, prompt tokens, sum of contexts, sum of keys attended, sampling slots).
+        """
+        bs = self.config.block_size
+        slots = np.asarray(plan.slots, dtype=np.int64)  # [B]
+        n = np.asarray(plan.num_tokens, dtype=np.int64)  # [B]
+        start = np.asarray(plan.start_pos, dtype=np.int64)  # [B]
+        assert self.active[slots].all(), "plan schedules a slot that is not in use"
+        nb = np.asarray(plan.num_new_blocks, dtype=np.int64)  # [B]
+        if nb.any():
+            rows = np.repeat(slots, nb)
+            offs = np.arange(nb.sum()) - np.repeat(np.cumsum(nb) - nb, nb)
+            self.block_table[rows, self.num_slot_blocks[rows] + offs] = plan.new_blocks
+            np.add.at(self.num_slot_blocks, slots, nb)
+        ctx = start + n  # [B] context length after the step
+        assert (self.num_slot_blocks[slots] * bs >= ctx).all(), "plan outruns its KV blocks"
+        # [T] cache row of each query token: block_table[slot, pos // bs] * bs + pos % bs
+        ends = np.cumsum(n)
+        entry = np.repeat(np.arange(len(n)), n)
+        pos = start[entry] + np.arange(int(ends[-1])) - (ends - n)[entry]
+        cache_rows = self.block_table[slots[entry], pos // bs] * bs + pos % bs
+        assert (cache_rows >= bs).all(), "a token would be written to the reserved block 0"
+        # keys attended: query i of an entry sees start + i + 1 keys (causal)
+        attended = int((n * start + n * (n + 1) // 2).sum())
+        prefill = int(n[np.asarray(plan.has_tokens, dtype=bool)].sum())
+        sample_slots = slots[np.asarray(plan.sample, dtype=bool)]
+        return int(ends[-1]), prefill, int(ctx.sum()), attended, sample_slots
+
+    def _fill_logprobs(self, result: StepResult, h: SimStep) -> None:
+        """Sampled token at rank 0 of a halving distribution; the rest random ordinary ids."""
+        k = np.maximum(h.asks, 0)  # [B_s] top entries per row
+        result.logprobs = np.full(len(k), self.rank_logprobs[0]).tolist()
+        result.top_counts = k.tolist()
+        total = int(k.sum())
+        if total == 0:
+            return
+        row_start = np.cumsum(k) - k
+        rank = np.arange(total) - np.repeat(row_start, k)  # [sum k]
+        top_ids = self.vocab[self.top_rng.integers(0, len(self.vocab), total)]
+        top_ids[row_start[k > 0]] = h.token_ids[k > 0]
+        result.top_ids = top_ids.tolist()
+        result.top_logprobs = self.rank_logprobs[rank].tolist()
