@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import os
 import sys
 
 from core.process import child_setup
@@ -14,9 +15,16 @@ def _set_name(name: str) -> None:
         libc.prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME: shown by ps and top
 
 
+# why: on a small machine the roles compete for cores; the core and the runner feed the
+# device, so the roles that only stream text yield to them under contention
+NICE = {"detokenizer": 5, "frontend": 5}
+
+
 def main(argv: list[str]) -> None:
     role = argv[0]
     config = child_setup(role)
+    if NICE.get(role):
+        os.nice(NICE[role])
     if role == "core":
         from core.engine import run_core
 

@@ -39,7 +39,8 @@ def run_gpu_runner(config: EngineConfig) -> None:
             # 1. launch every plan that is waiting, without blocking
             if inflight:
                 wait_s = backend.seconds_until_ready(inflight[0])
-                timeout_ms = 0 if wait_s <= 0 else max(1, min(IDLE_POLL_MS, int(wait_s * 1000)))
+                # whole ms only: the remainder is slept below, so publishing is not late by ~1 ms
+                timeout_ms = min(IDLE_POLL_MS, int(wait_s * 1000)) if wait_s > 0 else 0
             else:
                 timeout_ms = IDLE_POLL_MS
             msg = plans.recv(timeout_ms=timeout_ms)
@@ -52,7 +53,9 @@ def run_gpu_runner(config: EngineConfig) -> None:
                         return
                     inflight.append(backend.launch(more))
             # 2. publish the oldest step once its ids are on the host
-            if inflight and backend.seconds_until_ready(inflight[0]) <= 0:
+            if inflight and msg is None and backend.seconds_until_ready(inflight[0]) < 1e-3:
+                results.send(backend.collect(inflight.popleft()))
+            elif inflight and backend.seconds_until_ready(inflight[0]) <= 0:
                 results.send(backend.collect(inflight.popleft()))
     except Exception as e:
         control.fatal(f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
