@@ -103,10 +103,17 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # the bench CLI owns its own flags
+        from bench.cli import main as bench_main
+
+        bench_main(argv[1:])
+        return
     parser = argparse.ArgumentParser(prog="gapless", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     serve_p = sub.add_parser("serve", help="start the OpenAI-compatible server")
     add_serve_args(serve_p)
+    sub.add_parser("bench", help="measure a server: TTFT, throughput, device idle (bench --help)")
     args = parser.parse_args(argv)
     if args.command == "serve":
         from core.launch import serve
