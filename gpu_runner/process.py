@@ -25,7 +25,7 @@ def run_gpu_runner(config: EngineConfig) -> None:
     ctx = zmq.Context()
     control = ControlReporter(ctx, config, "gpu_runner")
     plans: Receiver[RunnerInput] = Receiver(ctx, config.ipc(RUNNER_IN), RunnerInput)
-    results: Sender[RunnerOutput] = Sender(ctx, config.ipc(RUNNER_OUT))
+    results: Sender[RunnerOutput] = Sender(ctx, config.ipc(RUNNER_OUT), shm=True)
     try:
         from gpu_runner.backend import make_backend
 
