@@ -31,6 +31,7 @@ from core.messages import (
     Timeline,
     TokenBatch,
 )
+from core.metrics import CoreMetrics
 from core.process import (
     CORE_IN,
     DETOK_IN,
@@ -69,6 +70,7 @@ class EngineCore:
         ]
         self.inflight: deque[ScheduledStep] = deque()
         self.timeline = DeviceTimeline(config)
+        self.metrics = CoreMetrics()
         self._ended: list[tuple[str, str]] = []  # (request id, reason) to tell the detokenizer
         self._shutdown = False
 
@@ -83,11 +85,13 @@ class EngineCore:
                     req = self.scheduler.requests.get(rid)
                     if req is not None and self.scheduler.finish(req, "abort"):
                         self._ended.append((rid, "abort"))
+                        self.metrics.request_ended(rid, "abort")
             case StopHit(request_id=rid):
                 # the detokenizer already sent the final text; this entry lets it forget the request
                 req = self.scheduler.requests.get(rid)
                 if req is not None and self.scheduler.finish(req, "stop"):
                     self._ended.append((rid, "stop"))
+                    self.metrics.request_ended(rid, "stop")
             case GetStats(frontend_id=fid, token=token):
                 s = self.scheduler
                 self.frontends[fid].send(
@@ -114,11 +118,13 @@ class EngineCore:
                 self._shutdown = True
 
     def _add(self, msg: AddRequest) -> None:
-        self.timeline.work_arrived(time.perf_counter())
+        now = time.perf_counter()
+        self.timeline.work_arrived(now)
         req = self.scheduler.add_request(msg)
         why = self.scheduler.fits_ever(req)
         if why is not None:
             self.scheduler.finish(req, "error")
+            self.metrics.request_ended(msg.request_id, "error")
             self.frontends[msg.frontend_id].send(
                 TextDeltas(
                     deltas=[
@@ -135,6 +141,7 @@ class EngineCore:
                 )
             )
             return
+        self.metrics.request_added(msg.request_id, req.num_prompt, now)
         self.detok.send(
             DetokNew(
                 request_id=msg.request_id,
@@ -156,6 +163,7 @@ class EngineCore:
             step.schedule_s = step.plan_sent - t0
             self.runner.send(step.plan)
             self.inflight.append(step)
+            self.metrics.step_planned(step, self.scheduler.running)
 
     # 3. results -----------------------------------------------------------------------------
 
@@ -165,6 +173,7 @@ class EngineCore:
         out = self.scheduler.update_from_output(step, result)
         self._send_tokens(out, result)
         done = time.perf_counter()
+        apply_s = done - t0
         plan = step.plan
         self.timeline.record(
             seq=plan.seq,
@@ -175,7 +184,11 @@ class EngineCore:
             num_prefill_tokens=step.num_prefill_tokens,
             result=result,
             applied=done,
-            apply_s=done - t0,
+            apply_s=apply_s,
+        )
+        assert result.timing is not None  # record() asserted it
+        self.metrics.step_applied(
+            result.timing, apply_s, self.timeline, out.finish_reasons, len(out.token_ids)
         )
         if not self.inflight and not self.scheduler.has_work:
             self.timeline.went_empty()
@@ -221,6 +234,7 @@ class EngineCore:
                 self._send_tokens(StepOutput(), None)
             # 2. plan up to `depth` steps ahead of the results
             self.plan_ahead()
+            self.metrics.observe_queues(self.scheduler)
             # 3. wait for the oldest step's result, or for input while idle
             events = dict(poller.poll(100))
             if results.socket in events:

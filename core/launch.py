@@ -19,6 +19,7 @@ import zmq
 from core.channel import Receiver, Sender
 from core.config import CONFIG_ENV, EngineConfig, encode_config
 from core.messages import ControlMessage, EngineDead, Fatal, Ready, Shutdown
+from core.metrics import MULTIPROC_ENV
 from core.process import CONTROL, CORE_IN, DETOK_IN, RUNNER_IN, frontend_socket
 
 ENGINE_ROLES = ("gpu_runner", "core", "detokenizer")
@@ -65,9 +66,15 @@ class Supervisor:
         )
         self.procs: dict[str, subprocess.Popen] = {}
         self.stopping = False
+        # every child writes its Prometheus series here; removed with the run directory
+        self.metrics_dir = os.path.join(config.run_dir, "metrics")
+        os.makedirs(self.metrics_dir, mode=0o700, exist_ok=True)
 
     def spawn(self, role: str, *args: str) -> None:
-        env = dict(os.environ, **{CONFIG_ENV: encode_config(self.config)})
+        env = dict(
+            os.environ,
+            **{CONFIG_ENV: encode_config(self.config), MULTIPROC_ENV: self.metrics_dir},
+        )
         name = role if not args else f"{role}{args[0]}"
         self.procs[name] = subprocess.Popen(
             [sys.executable, "-m", "core.worker", role, *args], env=env, stdin=subprocess.DEVNULL

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import zmq
 from tokenizers import Tokenizer
 
@@ -19,6 +21,7 @@ from core.messages import (
     TextDeltas,
     TokenBatch,
 )
+from core.metrics import DetokenizerMetrics
 from core.process import CORE_IN, DETOK_IN, ControlReporter, frontend_socket, stop_requested
 from detokenizer.state import DetokenizerState, Outbox
 
@@ -55,6 +58,7 @@ def _serve(ctx: zmq.Context, config: EngineConfig, reporter: ControlReporter) ->
         Sender(ctx, config.ipc(frontend_socket(i))) for i in range(config.api_servers)
     ]
     core: Sender[CoreInput] = Sender(ctx, config.ipc(CORE_IN))
+    detokenize = DetokenizerMetrics().detokenize
     reporter.ready()
     try:
         running = True
@@ -68,7 +72,9 @@ def _serve(ctx: zmq.Context, config: EngineConfig, reporter: ControlReporter) ->
             for msg in [first, *inbox.drain()]:
                 match msg:
                     case TokenBatch():
+                        t0 = time.perf_counter()
                         state.process(msg, out)
+                        detokenize.observe(time.perf_counter() - t0)
                     case DetokNew():
                         state.add(msg)
                     case Shutdown():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import logging
@@ -10,8 +11,11 @@ from collections.abc import Awaitable, Callable
 from urllib.parse import parse_qs
 
 import msgspec
+from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4
 
+from core import metrics as core_metrics
 from core.timeline import KEEP_STEPS
+from frontend import metrics
 from frontend.asgi import ClientGone, HttpRequest, Receive, Responder, Scope, Send, encoder
 from frontend.chat import handle_chat
 from frontend.completions import handle_completions
@@ -24,7 +28,8 @@ from frontend.state import FrontendState
 log = logging.getLogger("gapless.frontend")
 
 Handler = Callable[[HttpRequest, Responder, str], Awaitable[None]]
-OPEN_PATHS = frozenset({"/health"})  # answered without an API key
+# answered without an API key: probes and scrapers, which operators keep on a private network
+OPEN_PATHS = frozenset({"/health", "/metrics"})
 
 
 class App:
@@ -48,6 +53,7 @@ class App:
             "/openapi.json": {"GET": self._openapi_json},
             "/v1/engine/stats": {"GET": self._engine_stats},
             "/v1/engine/timeline": {"GET": self._engine_timeline},
+            "/metrics": {"GET": self._metrics},
         }
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -60,6 +66,8 @@ class App:
         try:
             await self._route(req, out)
         except ApiError as exc:
+            if 400 <= exc.status < 500:
+                metrics.observer.rejected(exc.code or "invalid_request")
             await out.error(exc)
         except ClientGone:
             pass
@@ -157,6 +165,12 @@ class App:
                 "summary": timeline.summary,
             },
         )
+
+    async def _metrics(self, req: HttpRequest, out: Responder, identity: str) -> None:
+        """Prometheus text format, merged over every process of the engine."""
+        # why a thread: rendering reads every process's files
+        text = await asyncio.get_running_loop().run_in_executor(None, core_metrics.render)
+        await out.raw(200, text, CONTENT_TYPE_PLAIN_0_0_4.encode())
 
     async def _openapi_json(self, req: HttpRequest, out: Responder, identity: str) -> None:
         await out.json(200, self._openapi)

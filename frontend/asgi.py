@@ -86,6 +86,14 @@ class Responder:
         await self._send({"type": "http.response.body", "body": payload})
         self.finished = True
 
+    async def raw(self, status: int, payload: bytes, content_type: bytes) -> None:
+        """A body already encoded, with its content type."""
+        head = [(b"content-type", content_type), (b"content-length", str(len(payload)).encode())]
+        self.started = True
+        await self._send({"type": "http.response.start", "status": status, "headers": head})
+        await self._send({"type": "http.response.body", "body": payload})
+        self.finished = True
+
     async def event(self, payload: bytes) -> None:
         """One SSE `data:` event holding already encoded JSON."""
         if not self.started:

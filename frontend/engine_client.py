@@ -53,10 +53,14 @@ class EngineClient:
         self.healthy = True
         self.dead_reason = ""
         self._send = send
-        self._queues: dict[str, asyncio.Queue[TextDelta | object]] = {}  # engine id -> queue
+        # engine id -> queue of (delta, perf_counter when its TextDeltas arrived) or _DEAD
+        self._queues: dict[str, asyncio.Queue[tuple[TextDelta, float] | object]] = {}
         self._counter = itertools.count()
         self._replies: dict[int, asyncio.Future] = {}  # token -> answer of the core
         self._on_dead: list[Callable[[str], None]] = []
+        # perf_counter when the delta generate_n yielded last reached this frontend; valid until
+        # the consumer's next await
+        self.last_received = 0.0
 
     def next_request_id(self) -> str:
         return f"{self.frontend_id}-{next(self._counter)}"
@@ -72,10 +76,11 @@ class EngineClient:
         match msg:
             case TextDeltas(deltas=deltas):
                 queues = self._queues
+                received = time.perf_counter()
                 for delta in deltas:
                     queue = queues.get(delta.request_id)
                     if queue is not None:  # None: the request was aborted here already
-                        queue.put_nowait(delta)
+                        queue.put_nowait((delta, received))
             case EngineDead(reason=reason):
                 self._mark_dead(reason)
             case EngineStats(token=token) | Timeline(token=token):
@@ -119,7 +124,7 @@ class EngineClient:
         """
         if not self.healthy:
             raise EngineDeadError(self.dead_reason)
-        queue: asyncio.Queue[TextDelta | object] = asyncio.Queue()
+        queue: asyncio.Queue[tuple[TextDelta, float] | object] = asyncio.Queue()
         ids = [f"{request_id}-{i}" for i in range(len(params))]
         index = {rid: i for i, rid in enumerate(ids)}
         running = set(ids)
@@ -137,10 +142,11 @@ class EngineClient:
                 item = await queue.get()
                 if item is _DEAD:
                     raise EngineDeadError(self.dead_reason)
-                assert isinstance(item, TextDelta)
-                if item.finish_reason is not None:
-                    running.discard(item.request_id)
-                yield index[item.request_id], item
+                assert isinstance(item, tuple)
+                delta, self.last_received = item
+                if delta.finish_reason is not None:
+                    running.discard(delta.request_id)
+                yield index[delta.request_id], delta
         finally:
             for rid in ids:
                 self._queues.pop(rid, None)

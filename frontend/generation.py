@@ -13,7 +13,7 @@ from typing import Protocol
 
 from core.messages import SamplingParams, TextDelta, TokenLogprob
 from frontend import metrics
-from frontend.asgi import HttpRequest, Responder, unless_disconnected
+from frontend.asgi import ClientGone, HttpRequest, Responder, unless_disconnected
 from frontend.engine_client import EngineClient, EngineDeadError
 from frontend.errors import ApiError, engine_unavailable
 from frontend.responses import Usage
@@ -76,6 +76,7 @@ async def _deltas(engine: EngineClient, job: Job) -> AsyncIterator[tuple[int, Te
     observer.arrived(job.endpoint, len(job.prompt_ids))
     first = True
     outputs = [0] * len(job.params)
+    last = [0.0] * len(job.params)  # perf_counter of each choice's previous delta
     reason = None
     stream = engine.generate_n(
         job.request_id,
@@ -88,9 +89,14 @@ async def _deltas(engine: EngineClient, job: Job) -> AsyncIterator[tuple[int, Te
     try:
         async with aclosing(stream):
             async for index, delta in stream:
-                if first and delta.token_ids:
-                    first = False
-                    observer.first_token(job.endpoint, time.time() - job.arrival_time)
+                if delta.token_ids:
+                    now = time.perf_counter()
+                    if first:
+                        first = False
+                        observer.first_token(job.endpoint, time.time() - job.arrival_time)
+                    elif last[index]:
+                        observer.delta(now - last[index], len(delta.token_ids))
+                    last[index] = now
                 error = failure(delta)
                 if error is not None:
                     raise error
@@ -124,8 +130,10 @@ async def stream(
     with the first delta, so a failure before it still gets a proper HTTP status."""
     opened = [False] * len(job.params)
     outputs = [0] * len(job.params)
+    observer = metrics.observer
     async with aclosing(_deltas(engine, job)) as deltas:
         async for index, delta in deltas:
+            received = engine.last_received  # read before the first await below
             if not opened[index]:
                 opened[index] = True
                 opening = fmt.opening(index)
@@ -133,6 +141,7 @@ async def stream(
                     await out.event(opening)
             outputs[index] = delta.num_output_tokens
             await out.event(fmt.delta(index, delta))
+            observer.streamed(time.perf_counter() - received)
     if include_usage:
         await out.event(fmt.usage(usage_of(job, outputs)))
     await out.done()
@@ -150,9 +159,13 @@ async def respond(
     build: Callable[[list[ChoiceResult], Usage], object],
 ) -> None:
     """Streams or answers whole; a client that disconnects first aborts the engine requests."""
-    if streaming:
-        await unless_disconnected(req.receive, stream(engine, job, out, fmt, include_usage))
-        return
-    choices = await unless_disconnected(req.receive, collect(engine, job))
+    try:
+        if streaming:
+            await unless_disconnected(req.receive, stream(engine, job, out, fmt, include_usage))
+            return
+        choices = await unless_disconnected(req.receive, collect(engine, job))
+    except ClientGone:
+        metrics.observer.aborted(job.endpoint)
+        raise
     usage = usage_of(job, [c.num_output_tokens for c in choices])
     await out.json(200, build(choices, usage))

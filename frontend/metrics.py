@@ -1,21 +1,69 @@
-"""Where per-request timings are observed. A no-op until something installs an observer."""
+"""Where the frontend's timings and counts are observed. A no-op until something installs an
+observer; a served frontend installs PrometheusObserver."""
 
 from __future__ import annotations
 
+from core.metrics import FrontendMetrics
+
 
 class RequestObserver:
-    """Called by the generation handlers; times are time.time() seconds."""
+    """Called by the handlers and the router; every duration is in seconds."""
 
     def arrived(self, endpoint: str, prompt_tokens: int) -> None:
+        pass
+
+    def tokenized(self, seconds: float) -> None:
         pass
 
     def first_token(self, endpoint: str, ttft_s: float) -> None:
         pass
 
+    def delta(self, gap_s: float, num_tokens: int) -> None:
+        """A later delta of one choice: time since that choice's previous delta."""
+
+    def streamed(self, seconds: float) -> None:
+        """One delta's SSE event written, `seconds` after its TextDeltas reached the frontend."""
+
     def finished(
         self, endpoint: str, e2e_s: float, output_tokens: int, finish_reason: str | None
     ) -> None:
         pass
+
+    def aborted(self, endpoint: str) -> None:
+        pass
+
+    def rejected(self, reason: str) -> None:
+        pass
+
+
+class PrometheusObserver(RequestObserver):
+    def __init__(self, series: FrontendMetrics | None = None) -> None:
+        self.series = series or FrontendMetrics()
+
+    def tokenized(self, seconds: float) -> None:
+        self.series.tokenize.observe(seconds)
+
+    def first_token(self, endpoint: str, ttft_s: float) -> None:
+        self.series.ttft.observe(ttft_s)
+
+    def delta(self, gap_s: float, num_tokens: int) -> None:
+        if num_tokens:
+            self.series.itl.observe(gap_s / num_tokens)
+
+    def streamed(self, seconds: float) -> None:
+        self.series.stream.observe(seconds)
+
+    def finished(
+        self, endpoint: str, e2e_s: float, output_tokens: int, finish_reason: str | None
+    ) -> None:
+        if finish_reason is not None:
+            self.series.e2e.observe(e2e_s)
+
+    def aborted(self, endpoint: str) -> None:
+        self.series.aborted.inc()
+
+    def rejected(self, reason: str) -> None:
+        self.series.rejected.labels(reason).inc()
 
 
 observer = RequestObserver()

@@ -6,12 +6,14 @@ Tokenizing runs in an executor thread so a long prompt never stalls the event lo
 from __future__ import annotations
 
 import asyncio
+import time
 from concurrent.futures import Executor
 from typing import Any
 
 import tokenizers
 
 from core.config import EngineConfig
+from frontend import metrics
 from frontend.chat_template import ChatTemplate
 from frontend.errors import bad_request
 from frontend.protocol import ChatMessage
@@ -49,8 +51,11 @@ class Prompter:
         if isinstance(one, str):
             if not one:
                 raise bad_request("prompt must not be empty", param="prompt")
+            t0 = time.perf_counter()
             bos = self.config.model.bos_token_id if self.config.model.add_bos_token else None
-            return await self._encode(one, bos)
+            ids = await self._encode(one, bos)
+            metrics.observer.tokenized(time.perf_counter() - t0)
+            return ids
         if not one:
             raise bad_request("prompt must not be empty", param="prompt")
         vocab = self.config.model.vocab_size
@@ -66,8 +71,11 @@ class Prompter:
         """Token ids of the rendered conversation; the template already holds special tokens."""
         if not messages:
             raise bad_request("messages must not be empty", param="messages")
+        t0 = time.perf_counter()
         text = await self.chat_template.render([_message_dict(m) for m in messages])
-        return await self._encode(text, None)
+        ids = await self._encode(text, None)
+        metrics.observer.tokenized(time.perf_counter() - t0)
+        return ids
 
     async def _encode(self, text: str, bos: int | None) -> list[int]:
         loop = asyncio.get_running_loop()

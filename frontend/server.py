@@ -17,6 +17,7 @@ import zmq
 
 from core.config import EngineConfig
 from core.process import ControlReporter, stop_requested
+from frontend import metrics
 from frontend.app import App
 from frontend.engine_client import ZmqEngineClient
 from frontend.prompts import Prompter
@@ -112,6 +113,7 @@ def run_frontend(config: EngineConfig, frontend_id: int) -> None:
     reporter = ControlReporter(ctx, config, f"frontend{frontend_id}")
     try:
         tokenizer = load_tokenizer(config.model)
+        metrics.set_observer(metrics.PrometheusObserver())
         uvloop.run(serve(config, frontend_id, tokenizer, ctx, reporter))
     except Exception as exc:
         reporter.fatal(f"{type(exc).__name__}: {exc}")

@@ -1,0 +1,297 @@
+"""Prometheus series of every process, and the /metrics rendering.
+
+Under `gapless serve` each child process has PROMETHEUS_MULTIPROC_DIR (set by the supervisor)
+before prometheus_client is imported, so every series below is an mmap file per process and a
+frontend's /metrics merges all of them. Each role creates only its own series, with
+`registry=None` in the processes; tests pass a fresh CollectorRegistry to read them back.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import deque
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
+
+if TYPE_CHECKING:
+    from core.messages import StepTiming
+    from core.request import Request
+    from core.scheduler import ScheduledStep, Scheduler
+    from core.timeline import DeviceTimeline
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+STAGES = (
+    "tokenize",
+    "queue_wait",
+    "schedule",
+    "prepare_inputs",
+    "forward",
+    "sample",
+    "d2h",
+    "apply_result",
+    "detokenize",
+    "stream",
+)
+FINISH_REASONS = ("stop", "length", "abort", "error")
+# s; 10 us to 10 s, ~2.5x apart
+STAGE_BUCKETS = (
+    1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25,
+    0.5, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
+# s; whole requests: 1 ms to 10 min
+REQUEST_BUCKETS = (
+    1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0,
+    80.0, 160.0, 320.0, 640.0,
+)  # fmt: skip
+IDLE_WINDOW_S = 10.0  # the idle-fraction gauge covers the steps of the last 10 s of device time
+
+
+def stage_histogram(registry: CollectorRegistry | None) -> Histogram:
+    """`gapless_stage_duration_seconds{stage}`: one histogram, one label value per stage; every
+    process creates it and observes its own stages."""
+    return Histogram(
+        "gapless_stage_duration_seconds",
+        "Time spent in one stage of the request path",
+        ["stage"],
+        buckets=STAGE_BUCKETS,
+        registry=registry,
+    )
+
+
+def render(registry: CollectorRegistry | None = None) -> bytes:
+    """The text exposition: every process's files when multiprocess, else `registry`."""
+    if registry is None:
+        registry = CollectorRegistry()
+        if os.environ.get(MULTIPROC_ENV):
+            MultiProcessCollector(registry)
+    return generate_latest(registry)
+
+
+class IdleWindow:
+    """Busy and idle device seconds of the steps that ended in the last `span_s` seconds."""
+
+    def __init__(self, span_s: float = IDLE_WINDOW_S) -> None:
+        self.span_s = span_s
+        self._steps: deque[tuple[float, float, float]] = deque()  # (device_end, busy s, idle s)
+        self.busy_s = 0.0
+        self.idle_s = 0.0
+
+    def add(self, end: float, busy: float, idle: float) -> float:
+        """Adds one step; returns the idle fraction over the window."""
+        steps = self._steps
+        steps.append((end, busy, idle))
+        self.busy_s += busy
+        self.idle_s += idle
+        while steps and steps[0][0] < end - self.span_s:
+            _, b, i = steps.popleft()
+            self.busy_s -= b
+            self.idle_s -= i
+        total = self.busy_s + self.idle_s
+        return max(0.0, self.idle_s) / total if total > 0 else 0.0
+
+
+class CoreMetrics:
+    """The core's series: stages of a step (the runner's from its StepTiming), device busy and
+    idle, queue gauges, and request counts by how they ended."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = registry
+        stage = stage_histogram(r)
+        self.queue_wait = stage.labels("queue_wait")
+        self.schedule = stage.labels("schedule")
+        self.prepare = stage.labels("prepare_inputs")
+        self.forward = stage.labels("forward")
+        self.sample = stage.labels("sample")
+        self.d2h = stage.labels("d2h")
+        self.apply = stage.labels("apply_result")
+        self.queue_time = Histogram(
+            "gapless_queue_time_seconds",
+            "From the HTTP request's arrival to its first scheduled step",
+            buckets=REQUEST_BUCKETS,
+            registry=r,
+        )
+        self.busy = Counter(
+            "gapless_device_busy_seconds", "Device time spent running steps", registry=r
+        )
+        self.idle = Counter(
+            "gapless_device_idle_seconds",
+            "Device time idle between steps while requests were waiting or running",
+            registry=r,
+        )
+        mode = "livemostrecent"  # only the core sets these
+        self.idle_fraction = Gauge(
+            "gapless_device_idle_fraction",
+            f"Idle / (busy + idle) over the steps of the last {IDLE_WINDOW_S:g} s",
+            multiprocess_mode=mode,
+            registry=r,
+        )
+        self.running = Gauge(
+            "gapless_requests_running", "Requests holding a batch slot",
+            multiprocess_mode=mode, registry=r,
+        )  # fmt: skip
+        self.waiting = Gauge(
+            "gapless_requests_waiting", "Requests queued for a slot (preempted ones included)",
+            multiprocess_mode=mode, registry=r,
+        )  # fmt: skip
+        self.blocks_used = Gauge(
+            "gapless_kv_blocks_used", "KV cache blocks held by requests",
+            multiprocess_mode=mode, registry=r,
+        )  # fmt: skip
+        self.blocks_total = Gauge(
+            "gapless_kv_blocks_total", "KV cache blocks that requests can hold",
+            multiprocess_mode=mode, registry=r,
+        )  # fmt: skip
+        self._finished = Counter(
+            "gapless_requests_finished",
+            "Engine requests (one per choice) that ended, by finish reason",
+            ["finish_reason"],
+            registry=r,
+        )
+        self.finished = {reason: self._finished.labels(reason) for reason in FINISH_REASONS}
+        self.preemptions = Counter(
+            "gapless_preemptions", "Running requests preempted for KV blocks", registry=r
+        )
+        self.prompt_tokens = Counter(
+            "gapless_prompt_tokens", "Prompt tokens of requests the engine accepted", registry=r
+        )
+        self.generation_tokens = Counter(
+            "gapless_generation_tokens", "Tokens sampled for live requests", registry=r
+        )
+        self._window = IdleWindow()
+        self._arrived: dict[str, float] = {}  # request id -> perf_counter in the core, until run
+        self._busy_s = self._idle_s = 0.0  # the timeline's totals already counted
+        self._preemptions = 0
+        self._queues = (-1, -1, -1, -1)  # last (running, waiting, used, total) set
+
+    # requests -----------------------------------------------------------------------------
+
+    def request_added(self, request_id: str, num_prompt_tokens: int, now: float) -> None:
+        self._arrived[request_id] = now
+        self.prompt_tokens.inc(num_prompt_tokens)
+
+    def request_ended(self, request_id: str, reason: str) -> None:
+        """A request finished outside a step's result (abort, stop string, refused)."""
+        self._arrived.pop(request_id, None)
+        self._count_finish(reason)
+
+    def _count_finish(self, reason: str) -> None:
+        child = self.finished.get(reason)
+        if child is None:
+            child = self.finished[reason] = self._finished.labels(reason)
+        child.inc()
+
+    # steps --------------------------------------------------------------------------------
+
+    def step_planned(self, step: ScheduledStep, running: list[Request]) -> None:
+        """After a plan is sent: its schedule time, and the queue wait of requests it starts."""
+        self.schedule.observe(step.schedule_s)
+        new_slots = step.plan.new_slots
+        if not new_slots or not self._arrived:
+            return
+        now, wall = step.plan_sent, time.time()
+        slots = {s.slot for s in new_slots}
+        for req in running:
+            if req.slot in slots:
+                arrived = self._arrived.pop(req.request_id, None)
+                if arrived is not None:  # None: a preempted request coming back
+                    self.queue_wait.observe(now - arrived)
+                    self.queue_time.observe(max(0.0, wall - req.arrival_time))
+
+    def step_applied(
+        self,
+        timing: StepTiming,
+        apply_s: float,
+        timeline: DeviceTimeline,
+        finish_reasons: list[str],
+        num_tokens: int,
+    ) -> None:
+        """After a result is applied and recorded in the timeline."""
+        self.prepare.observe(timing.prepare_s)
+        self.forward.observe(timing.forward_s)
+        self.sample.observe(timing.sample_s)
+        self.d2h.observe(max(0.0, timing.published - timing.device_end))
+        self.apply.observe(apply_s)
+        busy, idle = timeline.busy_s - self._busy_s, timeline.idle_s - self._idle_s
+        if busy > 0.0 or idle > 0.0:  # steps without tokens do not count on the device
+            self._busy_s, self._idle_s = timeline.busy_s, timeline.idle_s
+            self.busy.inc(busy)
+            if idle > 0.0:
+                self.idle.inc(idle)
+            self.idle_fraction.set(self._window.add(timing.device_end, busy, idle))
+        if num_tokens:
+            self.generation_tokens.inc(num_tokens)
+        if len(finish_reasons) != finish_reasons.count(""):
+            for reason in finish_reasons:
+                if reason:
+                    self._count_finish(reason)
+
+    def observe_queues(self, scheduler: Scheduler) -> None:
+        """Queue and KV gauges (written only when they changed) and the preemption count."""
+        if scheduler.num_preemptions != self._preemptions:
+            self.preemptions.inc(scheduler.num_preemptions - self._preemptions)
+            self._preemptions = scheduler.num_preemptions
+        blocks = scheduler.blocks
+        now = (
+            len(scheduler.running),
+            len(scheduler.waiting),
+            blocks.num_usable - blocks.num_free,
+            blocks.num_usable,
+        )
+        if now == self._queues:
+            return
+        last, self._queues = self._queues, now
+        for gauge, value, old in zip(
+            (self.running, self.waiting, self.blocks_used, self.blocks_total),
+            now,
+            last,
+            strict=True,
+        ):
+            if value != old:
+                gauge.set(value)
+
+
+class DetokenizerMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.detokenize = stage_histogram(registry).labels("detokenize")
+
+
+class FrontendMetrics:
+    """One frontend's series; the multiprocess files of all frontends add up."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = registry
+        stage = stage_histogram(r)
+        self.tokenize = stage.labels("tokenize")
+        self.stream = stage.labels("stream")
+        self.ttft = Histogram(
+            "gapless_time_to_first_token_seconds",
+            "From the HTTP request's arrival to its first token reaching the frontend",
+            buckets=REQUEST_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "gapless_inter_token_latency_seconds",
+            "Gap between a choice's deltas divided by the tokens the later one carries",
+            buckets=STAGE_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "gapless_e2e_request_latency_seconds",
+            "From the HTTP request's arrival to its last delta, for requests that finished",
+            buckets=REQUEST_BUCKETS,
+            registry=r,
+        )
+        self.aborted = Counter(
+            "gapless_requests_aborted",
+            "HTTP requests whose client disconnected before the end",
+            registry=r,
+        )
+        self.rejected = Counter(
+            "gapless_requests_rejected",
+            "HTTP requests answered with a 4xx, by error code",
+            ["reason"],
+            registry=r,
+        )
