@@ -1,0 +1,230 @@
+"""`bench`: streams /v1/completions load at OpenAI-compatible servers and reports what it saw.
+
+bench --base-url http://127.0.0.1:8000 --workload 1024:64
+bench --launch --workload sharegpt -- --model ./my-model --max-num-seqs 128
+bench --target gapless=http://a:8000 --target other=http://b:8080 --output-json r.json
+bench plot --from a.json b.json --plot-dir figs
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import sys
+from contextlib import ExitStack
+from pathlib import Path
+from typing import Any
+
+from bench.loadgen import LoadSpec
+from bench.report import format_ratios, format_run, ratios
+from bench.targets import Target, normalize_url, parse_target, served_model, url_name
+from bench.workloads import is_known
+
+JSON_SHAPE = """\
+--output-json: one run (one target, one workload) is written as a JSON object; several runs as
+{"runs": [run, ...], "ratios": [...]}, ratios being each later target over the first target on
+the same workload. A run holds target, base_url, model, workload, num_requests, completed,
+failed, errors, duration_s, request_throughput, output_token_throughput, ttft_ms, tpot_ms,
+itl_ms, e2e_ms ({mean, p50, p90, p99} in ms), device ("cpu", "cuda", "sim:<profile>"; null
+without an engine timeline), overlap, device_idle_fraction, step_breakdown_ms (median ms per
+step of schedule, prepare_inputs, forward, sample, apply_result, detokenize, stream), timeline
+and samples (per-request latencies for CDF plots)."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="bench",
+        description=__doc__,
+        epilog=JSON_SHAPE,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    to = p.add_argument_group("targets (the first one is the baseline of the ratio table)")
+    to.add_argument(
+        "--launch",
+        action="store_true",
+        help="start `gapless serve` on a free port (arguments after -- go to it), stop it after",
+    )
+    to.add_argument("--base-url", help="an OpenAI-compatible server, e.g. http://127.0.0.1:8000")
+    to.add_argument(
+        "--target",
+        action="append",
+        default=[],
+        metavar="NAME=URL",
+        help="a named server; repeat to send the same requests to each in turn",
+    )
+    to.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY' to every target")
+    to.add_argument("--model", help="model name to request (default: first id of /v1/models)")
+    wo = p.add_argument_group("workload")
+    wo.add_argument(
+        "--workload",
+        action="append",
+        metavar="SPEC",
+        help="IN:OUT (fixed synthetic lengths, e.g. 1024:64), sharegpt or loogle; repeatable "
+        "(default: 1024:64)",
+    )
+    wo.add_argument("--dataset", help="ShareGPT or LooGLE JSON (default: a synthetic length mix)")
+    wo.add_argument(
+        "--tokenizer",
+        help="model dir or .gguf whose tokenizer measures prompts "
+        "(default: the --model given after --launch, else SmolLM2-135M-Instruct)",
+    )
+    wo.add_argument("--num-requests", type=int, default=300)
+    wo.add_argument(
+        "--request-rate",
+        type=float,
+        default=float("inf"),
+        help="requests/s, Poisson arrivals (default: inf, all at once)",
+    )
+    wo.add_argument("--max-concurrency", type=int, help="requests in flight at most")
+    wo.add_argument("--seed", type=int, default=0, help="seed of prompts and arrivals")
+    wo.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="ask for exactly max_tokens (default: on for synthetic workloads, off for datasets)",
+    )
+    wo.add_argument("--temperature", type=float, default=0.0)
+    wo.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
+    out = p.add_argument_group("output")
+    out.add_argument("--output-json", help="write the results here")
+    out.add_argument("--plot-dir", help="write PNG figures here")
+    out.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+def build_plot_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="bench plot", description="figures from saved --output-json files"
+    )
+    p.add_argument("--from", dest="sources", nargs="+", required=True, metavar="JSON")
+    p.add_argument("--plot-dir", required=True)
+    return p
+
+
+def split_serve_args(argv: list[str]) -> tuple[list[str], list[str]]:
+    if "--" not in argv:
+        return argv, []
+    i = argv.index("--")
+    return argv[:i], argv[i + 1 :]
+
+
+def _flag_value(args: list[str], flag: str) -> str | None:
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["plot"]:
+        args = build_plot_parser().parse_args(argv[1:])
+        from bench.figures import plot_saved
+
+        for path in plot_saved([Path(s) for s in args.sources], Path(args.plot_dir)):
+            print(f"wrote {path}")
+        return
+    parser = build_parser()
+    argv, serve_args = split_serve_args(argv)
+    args = parser.parse_args(argv)
+    if serve_args and not args.launch:
+        parser.error("arguments after -- are for gapless serve; add --launch")
+    if not (args.launch or args.base_url or args.target):
+        parser.error("name a server: --base-url URL, --target NAME=URL or --launch")
+    args.workload = args.workload or ["1024:64"]
+    for spec in args.workload:
+        if not is_known(spec):
+            parser.error(f"unknown workload {spec!r}: use IN:OUT (e.g. 1024:64), sharegpt, loogle")
+    if args.num_requests < 1 or (args.max_concurrency is not None and args.max_concurrency < 1):
+        parser.error("--num-requests and --max-concurrency must be at least 1")
+    if not args.request_rate > 0:
+        parser.error("--request-rate must be positive (inf sends everything at once)")
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        sys.exit(run(args, serve_args))
+    except KeyboardInterrupt:
+        print("bench: interrupted", file=sys.stderr)
+        sys.exit(130)
+    except (RuntimeError, ValueError, OSError) as exc:
+        print(f"bench: {exc}", file=sys.stderr)
+        sys.exit(1)
+
+
+def run(args: argparse.Namespace, serve_args: list[str]) -> int:
+    from bench.launch import launched_server
+
+    with ExitStack() as stack:
+        targets = []
+        if args.launch:
+            print("bench: starting gapless serve ...", file=sys.stderr)
+            url = stack.enter_context(launched_server(serve_args))
+            targets.append(Target("gapless", url, args.api_key))
+        if args.base_url:
+            url = normalize_url(args.base_url)
+            targets.append(Target(url_name(url), url, args.api_key))
+        targets += [parse_target(spec, args.api_key) for spec in args.target]
+        names = [t.name for t in targets]
+        if len(set(names)) != len(names):
+            raise ValueError(f"target names must differ, got {names}")
+        tokenizer = args.tokenizer or (_flag_value(serve_args, "--model") if args.launch else None)
+        return bench_targets(args, targets, tokenizer)
+
+
+def bench_targets(args: argparse.Namespace, targets: list[Target], tokenizer: str | None) -> int:
+    from bench.prompts import PromptMaker
+    from bench.run import bench_target
+    from bench.workloads import build_workload
+    from core.model_files import load_tokenizer, resolve_model
+
+    served = {t.name: served_model(t) for t in targets}
+    limits = [s.max_model_len for s in served.values() if s.max_model_len]
+    info = resolve_model(tokenizer or None)
+    maker = PromptMaker(load_tokenizer(info), info.add_bos_token)
+    runs, steps_of = [], {}
+    for spec in args.workload:
+        workload = build_workload(
+            spec,
+            maker,
+            num_requests=args.num_requests,
+            seed=args.seed,
+            dataset=args.dataset,
+            max_model_len=min(limits) if limits else None,
+        )
+        load = LoadSpec(
+            request_rate=args.request_rate,
+            max_concurrency=args.max_concurrency,
+            seed=args.seed,
+            ignore_eos=workload.synthetic if args.ignore_eos is None else args.ignore_eos,
+            temperature=args.temperature,
+            request_timeout_s=args.request_timeout,
+            progress=not args.no_progress,
+        )
+        for target in targets:
+            model = args.model or served[target.name].id
+            run, steps = asyncio.run(bench_target(target, model, workload, load))
+            runs.append(run)
+            steps_of[len(runs) - 1] = steps
+            print(format_run(run), flush=True)
+    table = ratios(runs)
+    if table:
+        print(format_ratios(table))
+    if args.output_json:
+        doc: Any = runs[0] if len(runs) == 1 else {"runs": runs, "ratios": table}
+        path = Path(args.output_json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(doc, indent=1, allow_nan=False))
+        print(f"bench: wrote {path}", file=sys.stderr)
+    if args.plot_dir:
+        from bench.figures import plot_runs
+
+        for path in plot_runs(runs, [steps_of[i] for i in range(len(runs))], Path(args.plot_dir)):
+            print(f"bench: wrote {path}", file=sys.stderr)
+    return 0 if all(r["completed"] for r in runs) else 1

@@ -1,0 +1,121 @@
+"""One streaming /v1/completions request, timed per chunk; every failure is recorded, not raised."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from bench.sse import SSEDecoder
+
+
+@dataclass
+class RequestRecord:
+    prompt_len: int  # tokens sent
+    output_len: int  # max_tokens asked for
+    ok: bool = False
+    error: str | None = None
+    start: float = 0.0  # time.perf_counter() at send
+    ttft: float | None = None  # s, to the first chunk with text
+    itl: list[float] = field(default_factory=list)  # s, between chunks with text
+    e2e: float | None = None  # s, send to end of stream
+    output_tokens: int = 0  # usage.completion_tokens, else chunks with text
+
+    @property
+    def tpot(self) -> float | None:
+        """s per output token after the first."""
+        if not self.ok or self.ttft is None or self.e2e is None or self.output_tokens < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.output_tokens - 1)
+
+
+def completion_payload(
+    model: str, prompt: str, max_tokens: int, *, ignore_eos: bool, temperature: float
+) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if ignore_eos:
+        body["ignore_eos"] = True
+    return body
+
+
+def _error_text(body: bytes) -> str:
+    try:
+        err = json.loads(body).get("error")
+    except (ValueError, AttributeError):
+        err = None
+    if isinstance(err, dict):
+        return str(err.get("message") or err)
+    if err:
+        return str(err)
+    return body[:200].decode("utf-8", "replace").strip()
+
+
+def _chunk_text(chunk: dict[str, Any]) -> str:
+    parts = []
+    for choice in chunk.get("choices") or []:
+        text = choice.get("text")
+        if text is None:
+            text = (choice.get("delta") or {}).get("content")
+        parts.append(text or "")
+    return "".join(parts)
+
+
+async def stream_completion(
+    client: httpx.AsyncClient, url: str, body: dict[str, Any], record: RequestRecord
+) -> RequestRecord:
+    """POSTs `body` to `url` and fills `record` from the SSE stream."""
+    record.start = time.perf_counter()
+    last = record.start
+    chunks, usage_tokens, done = 0, None, False
+    try:
+        async with client.stream("POST", url, json=body) as resp:
+            if resp.status_code != 200:
+                record.error = f"HTTP {resp.status_code}: {_error_text(await resp.aread())}"
+                return record
+            decoder = SSEDecoder()
+            async for line in resp.aiter_lines():
+                event = decoder.feed(line)
+                if event is None:
+                    continue
+                if event.data.strip() == "[DONE]":
+                    done = True
+                    break
+                now = time.perf_counter()
+                chunk = json.loads(event.data)
+                if event.event == "error" or (isinstance(chunk, dict) and "error" in chunk):
+                    record.error = f"error event: {_error_text(event.data.encode())}"
+                    return record
+                if _chunk_text(chunk):
+                    chunks += 1
+                    if record.ttft is None:
+                        record.ttft = now - record.start
+                    else:
+                        record.itl.append(now - last)
+                    last = now
+                usage = chunk.get("usage")
+                if usage and usage.get("completion_tokens") is not None:
+                    usage_tokens = int(usage["completion_tokens"])
+    except httpx.HTTPError as exc:
+        record.error = f"{type(exc).__name__}: {str(exc) or 'no detail'}"
+        return record
+    except (ValueError, AttributeError) as exc:
+        record.error = f"bad stream event: {exc}"
+        return record
+    finally:
+        record.e2e = time.perf_counter() - record.start
+    if not done:
+        record.error = "stream ended before [DONE]"
+        return record
+    record.output_tokens = usage_tokens if usage_tokens is not None else chunks
+    record.ok = True
+    return record

@@ -1,0 +1,94 @@
+"""Sends a workload to one target: all at once, at a Poisson rate, or under a concurrency cap."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from dataclasses import dataclass
+
+import httpx
+import numpy as np
+from tqdm import tqdm
+
+from bench.client import RequestRecord, completion_payload, stream_completion
+from bench.workloads import Workload
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    request_rate: float = math.inf  # requests/s; inf sends everything at once
+    max_concurrency: int | None = None
+    seed: int = 0
+    ignore_eos: bool = True
+    temperature: float = 0.0
+    request_timeout_s: float = 600.0
+    progress: bool = True
+
+
+@dataclass
+class LoadResult:
+    records: list[RequestRecord]
+    duration_s: float  # first send to last response
+
+
+def arrival_offsets(n: int, rate: float, seed: int) -> np.ndarray:
+    """[n] seconds after the start at which each request is sent; the same for every target."""
+    if math.isinf(rate):
+        return np.zeros(n)
+    gaps = np.random.default_rng(seed).exponential(1.0 / rate, size=n)
+    return np.cumsum(gaps) - gaps[0]
+
+
+def http_client(
+    base_url: str, api_key: str | None, timeout_s: float, size: int
+) -> httpx.AsyncClient:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=max(1, size), max_keepalive_connections=max(1, size))
+    timeout = httpx.Timeout(timeout_s, connect=30.0)
+    return httpx.AsyncClient(base_url=base_url, headers=headers, timeout=timeout, limits=limits)
+
+
+async def run_load(
+    base_url: str,
+    api_key: str | None,
+    model: str,
+    workload: Workload,
+    spec: LoadSpec,
+    label: str = "",
+) -> LoadResult:
+    requests = workload.requests
+    offsets = arrival_offsets(len(requests), spec.request_rate, spec.seed)
+    gate = asyncio.Semaphore(spec.max_concurrency or len(requests) or 1)
+    bar = tqdm(total=len(requests), desc=label or base_url, unit="req", disable=not spec.progress)
+    size = min(len(requests), spec.max_concurrency or len(requests))
+    async with http_client(base_url, api_key, spec.request_timeout_s, size) as client:
+        t0 = time.perf_counter()
+
+        async def one(i: int) -> RequestRecord:
+            delay = t0 + offsets[i] - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            req = requests[i]
+            body = completion_payload(
+                model,
+                req.prompt,
+                req.output_len,
+                ignore_eos=spec.ignore_eos,
+                temperature=spec.temperature,
+            )
+            async with gate:
+                record = RequestRecord(req.prompt_len, req.output_len)
+                await stream_completion(client, "/v1/completions", body, record)
+            bar.update(1)
+            return record
+
+        tasks = [asyncio.create_task(one(i)) for i in range(len(requests))]
+        try:
+            records = await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+            bar.close()
+        duration = time.perf_counter() - t0
+    return LoadResult(list(records), duration)

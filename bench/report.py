@@ -1,0 +1,103 @@
+"""Plain-text tables of runs, and ratios of each target against the first on the same workload."""
+
+from __future__ import annotations
+
+from typing import Any
+
+LATENCIES = (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("ITL", "itl_ms"), ("E2E", "e2e_ms"))
+# (label, path into a run, higher is better)
+RATIO_METRICS = (
+    ("request throughput", ("request_throughput",), True),
+    ("output token throughput", ("output_token_throughput",), True),
+    ("TTFT p50", ("ttft_ms", "p50"), False),
+    ("TTFT p99", ("ttft_ms", "p99"), False),
+    ("TPOT p50", ("tpot_ms", "p50"), False),
+    ("ITL p50", ("itl_ms", "p50"), False),
+    ("E2E p50", ("e2e_ms", "p50"), False),
+)
+
+
+def _num(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:,.{digits}f}"
+
+
+def _dig(run: dict[str, Any], path: tuple[str, ...]) -> float | None:
+    value: Any = run
+    for key in path:
+        value = value.get(key) if isinstance(value, dict) else None
+    return value if isinstance(value, (int, float)) else None
+
+
+def device_label(run: dict[str, Any]) -> str:
+    device = run.get("device")
+    if device is None:
+        return "- (no engine timeline)"
+    overlap = run.get("overlap")
+    return device if overlap is None else f"{device}, overlap {'on' if overlap else 'off'}"
+
+
+def format_run(run: dict[str, Any]) -> str:
+    sim = " (sim)" if str(run.get("device") or "").startswith("sim") else ""
+    idle = run.get("device_idle_fraction")
+    rows = [
+        ("Model", run.get("model", "-")),
+        ("Requests completed / failed", f"{run['completed']} / {run['failed']}"),
+        ("Duration (s)", _num(run["duration_s"])),
+        ("Request throughput (req/s)", _num(run["request_throughput"])),
+        ("Output token throughput (tok/s)", _num(run["output_token_throughput"])),
+        ("Device", device_label(run)),
+        ("Device idle" + sim, "-" if idle is None else f"{100 * idle:.1f} %"),
+    ]
+    title = f" {run['target']} | {run['workload']} "
+    lines = [f"{title:=^60}"]
+    lines += [f"{k:<40}{v:>20}" for k, v in rows]
+    lines.append(f"{'latency (ms)':<20}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}")
+    for label, key in LATENCIES:
+        d = run[key]
+        lines.append(
+            f"{label:<20}" + "".join(f"{_num(d[p]):>10}" for p in ("mean", "p50", "p90", "p99"))
+        )
+    breakdown = run.get("step_breakdown_ms") or {}
+    if any(v is not None for v in breakdown.values()):
+        lines.append(f"{'median per step (ms)' + sim:<40}{'':>20}")
+        lines += [f"  {k:<38}{_num(v, 3):>20}" for k, v in breakdown.items()]
+    for error, count in (run.get("errors") or {}).items():
+        lines.append(f"  failed x{count}: {error[:100]}")
+    return "\n".join(lines)
+
+
+def ratios(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per workload, each later target's metric divided by the first target's."""
+    out = []
+    by_workload: dict[str, list[dict[str, Any]]] = {}
+    for run in runs:
+        by_workload.setdefault(run["workload"], []).append(run)
+    for workload, group in by_workload.items():
+        base = group[0]
+        for run in group[1:]:
+            values = {}
+            for label, path, _ in RATIO_METRICS:
+                a, b = _dig(run, path), _dig(base, path)
+                values[label] = a / b if a is not None and b else None
+            out.append(
+                {
+                    "workload": workload,
+                    "target": run["target"],
+                    "baseline": base["target"],
+                    **values,
+                }
+            )
+    return out
+
+
+def format_ratios(table: list[dict[str, Any]]) -> str:
+    if not table:
+        return ""
+    lines = [f"{' ratio to the first target ':=^60}"]
+    for row in table:
+        lines.append(f"{row['target']} / {row['baseline']} on {row['workload']}")
+        for label, _, higher_better in RATIO_METRICS:
+            hint = "higher is better" if higher_better else "lower is better"
+            value = "-" if row[label] is None else f"{row[label]:.3f}x"
+            lines.append(f"  {label:<30}{value:>12}   ({hint})")
+    return "\n".join(lines)

@@ -1,0 +1,166 @@
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+
+from bench.client import RequestRecord, completion_payload, stream_completion
+from bench.loadgen import LoadSpec, run_load
+from bench.sse import Event, SSEDecoder
+from bench.workloads import BenchRequest, Workload
+from tests.bench.fake_openai import FakeOpenAI, ThreadedServer
+
+
+def feed_all(lines):
+    d = SSEDecoder()
+    events = [e for line in lines if (e := d.feed(line)) is not None]
+    if (last := d.flush()) is not None:
+        events.append(last)
+    return events
+
+
+def test_sse_decoder():
+    lines = [
+        ": keep-alive",
+        'data: {"a": 1}',
+        "",
+        "event: error",
+        'data:{"error": 1}',
+        "",
+        "data: line one",
+        "data: line two\r",
+        "",
+        "",
+        "data: [DONE]",
+    ]
+    assert feed_all(lines) == [
+        Event('{"a": 1}'),
+        Event('{"error": 1}', "error"),
+        Event("line one\nline two"),
+        Event("[DONE]"),
+    ]
+
+
+def chunk(text, usage=None):
+    doc = {"id": "x", "choices": [{"index": 0, "text": text}] if text is not None else []}
+    if usage is not None:
+        doc["usage"] = {"prompt_tokens": 3, "completion_tokens": usage}
+    return f"data: {json.dumps(doc)}\n\n".encode()
+
+
+class Chunks(httpx.AsyncByteStream):
+    """Canned body bytes, optionally failing like a dropped connection after them."""
+
+    def __init__(self, parts, fail=False):
+        self.parts, self.fail = parts, fail
+
+    async def __aiter__(self):
+        for part in self.parts:
+            await asyncio.sleep(0.001)
+            yield part
+        if self.fail:
+            raise httpx.RemoteProtocolError("peer closed connection")
+
+
+def run_one(handler):
+    async def go():
+        transport = httpx.MockTransport(handler)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            body = completion_payload("m", "hi", 4, ignore_eos=True, temperature=0.0)
+            return await stream_completion(client, "/v1/completions", body, RequestRecord(3, 4))
+
+    return asyncio.run(go())
+
+
+def sse(parts, fail=False, status=200):
+    headers = {"content-type": "text/event-stream"}
+    return lambda request: httpx.Response(status, headers=headers, stream=Chunks(parts, fail))
+
+
+def test_stream_with_usage():
+    seen = []
+
+    def handler(request):
+        seen.append(json.loads(request.content))
+        parts = [chunk(" a"), chunk(" b"), chunk(""), chunk(" c"), chunk(None, usage=7)]
+        return sse([*parts, b"data: [DONE]\n\n"])(request)
+
+    r = run_one(handler)
+    assert r.ok and r.error is None
+    assert r.output_tokens == 7  # usage wins over counting chunks
+    assert r.ttft > 0 and len(r.itl) == 2 and all(x > 0 for x in r.itl)
+    assert r.e2e >= r.ttft + sum(r.itl)
+    body = seen[0]
+    assert body["stream"] and body["stream_options"] == {"include_usage": True}
+    assert body["ignore_eos"] is True and body["max_tokens"] == 4
+
+
+def test_stream_without_usage_counts_chunks():
+    r = run_one(sse([chunk(" a"), chunk(" b"), chunk(" c"), b"data: [DONE]\n\n"]))
+    assert r.ok and r.output_tokens == 3 and r.tpot is not None
+
+
+def test_http_error_is_recorded():
+    def handler(request):
+        return httpx.Response(400, json={"error": {"message": "max_tokens is too large"}})
+
+    r = run_one(handler)
+    assert not r.ok and r.error == "HTTP 400: max_tokens is too large"
+
+
+def test_error_event_is_recorded():
+    err = b'data: {"error": {"message": "engine died", "code": 503}}\n\n'
+    r = run_one(sse([chunk(" a"), err, b"data: [DONE]\n\n"]))
+    assert not r.ok and r.error == "error event: engine died"
+
+
+def test_named_error_event_is_recorded():
+    r = run_one(sse([chunk(" a"), b'event: error\ndata: {"detail": "x"}\n\n']))
+    assert not r.ok and r.error.startswith("error event")
+
+
+def test_broken_stream_is_recorded():
+    r = run_one(sse([chunk(" a")], fail=True))
+    assert not r.ok and r.error.startswith("RemoteProtocolError")
+    assert r.e2e is not None
+
+
+def test_stream_without_done_is_recorded():
+    r = run_one(sse([chunk(" a"), chunk(" b")]))
+    assert not r.ok and r.error == "stream ended before [DONE]"
+
+
+def test_garbage_event_is_recorded():
+    r = run_one(sse([b"data: {not json\n\n"]))
+    assert not r.ok and r.error.startswith("bad stream event")
+
+
+def test_unreachable_server_is_recorded():
+    def handler(request):
+        raise httpx.ConnectError("connection refused")
+
+    r = run_one(handler)
+    assert not r.ok and r.error == "ConnectError: connection refused"
+
+
+def workload(n):
+    reqs = tuple(BenchRequest(f"prompt {i}", 3, 5) for i in range(n))
+    return Workload("3:5", reqs, synthetic=True)
+
+
+@pytest.mark.parametrize("rate,concurrency", [(float("inf"), None), (200.0, 2)])
+def test_load_counts_failures_and_goes_on(rate, concurrency):
+    app = FakeOpenAI(failures={1: "http", 3: "event", 5: "broken"})
+    spec = LoadSpec(request_rate=rate, max_concurrency=concurrency, progress=False)
+    with ThreadedServer(app) as server:
+        result = asyncio.run(run_load(server.url, None, "fake-model", workload(8), spec))
+    assert len(result.records) == 8 and result.duration_s > 0
+    failed = sorted(r.error for r in result.records if not r.ok)
+    assert len(failed) == 3
+    assert any(e.startswith("HTTP 500") for e in failed)
+    assert any(e.startswith("error event") for e in failed)
+    assert "stream ended before [DONE]" in failed
+    assert all(r.output_tokens == 5 for r in result.records if r.ok)
+    assert {b["prompt"] for b in app.bodies} == {f"prompt {i}" for i in range(8)}

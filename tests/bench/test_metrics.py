@@ -1,0 +1,99 @@
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from bench.loadgen import arrival_offsets
+from bench.metrics import distribution, samples, summarize
+from bench.report import format_ratios, format_run, ratios
+from bench.timeline import idle_fraction, run_steps, step_breakdown, timeline_summary
+from tests.bench.records import record, run_doc, step
+
+
+def test_distribution():
+    d = distribution([0.001 * x for x in range(1, 101)])  # 1..100 ms
+    assert d["mean"] == pytest.approx(50.5)
+    assert d["p50"] == pytest.approx(50.5)
+    assert d["p90"] == pytest.approx(90.1)
+    assert d["p99"] == pytest.approx(99.01)
+    assert distribution([]) == {"mean": None, "p50": None, "p90": None, "p99": None}
+
+
+def test_summarize():
+    records = [
+        record(0.1, [0.02, 0.02, 0.02], 4),
+        record(0.3, [0.04, 0.04, 0.04], 4),
+        record(0, [], 0, ok=False),
+    ]
+    s = summarize(records, duration_s=2.0)
+    assert (s["num_requests"], s["completed"], s["failed"]) == (3, 2, 1)
+    assert s["errors"] == {"HTTP 500: boom": 1}
+    assert s["request_throughput"] == pytest.approx(1.0)
+    assert s["output_token_throughput"] == pytest.approx(4.0)
+    assert s["total_input_tokens"] == 20
+    assert s["ttft_ms"]["mean"] == pytest.approx(200.0)
+    assert s["ttft_ms"]["p50"] == pytest.approx(200.0)
+    assert s["itl_ms"]["mean"] == pytest.approx(30.0)
+    assert s["tpot_ms"]["mean"] == pytest.approx(30.0)  # (e2e - ttft) / (tokens - 1)
+    assert s["e2e_ms"]["p50"] == pytest.approx(((0.16 + 0.42) / 2) * 1000)
+    assert samples(records)["itl_ms"] == [20.0] * 3 + [40.0] * 3
+
+
+def test_tpot_needs_two_tokens():
+    assert record(0.1, [], 1).tpot is None
+    assert summarize([record(0.1, [], 1)], 1.0)["tpot_ms"]["mean"] is None
+
+
+def test_poisson_arrivals():
+    assert np.all(arrival_offsets(5, math.inf, 0) == 0)
+    a = arrival_offsets(2000, 50.0, 1)
+    assert a[0] == 0 and np.all(np.diff(a) >= 0)
+    assert np.diff(a).mean() == pytest.approx(1 / 50, rel=0.1)
+    assert np.array_equal(a, arrival_offsets(2000, 50.0, 1))
+
+
+def test_timeline_reduction_uses_only_the_runs_steps():
+    before = {"device": "cpu", "overlap": True, "steps": [step(4, 1.0, 10, 0)]}
+    after = {
+        "device": "cpu",
+        "overlap": True,
+        "steps": [step(i, 1.0 + 0.02 * i, 10, 5 if i > 5 else 0) for i in range(3, 9)]
+        + [step(9, 2.0, 10, 99, num_tokens=0)],  # an empty step counts neither way
+    }
+    steps = run_steps(after, 4)
+    assert [s["seq"] for s in steps] == [5, 6, 7, 8, 9]
+    fraction, busy, idle = idle_fraction(steps)
+    assert busy == pytest.approx(0.040) and idle == pytest.approx(0.015)
+    assert fraction == pytest.approx(15 / 55)
+    out = timeline_summary(before, after)
+    assert out["device"] == "cpu" and out["overlap"] is True
+    assert out["device_idle_fraction"] == pytest.approx(15 / 55)
+    b = out["step_breakdown_ms"]
+    assert b["schedule"] == pytest.approx(8.0) and b["forward"] == pytest.approx(10.0)
+    assert b["detokenize"] is None and b["stream"] is None
+    assert out["timeline"]["num_steps"] == 5 and out["timeline"]["complete"]
+
+
+def test_no_timeline_gives_nulls():
+    out = timeline_summary(None, None)
+    assert out["device"] is None and out["device_idle_fraction"] is None
+    assert out["overlap"] is None and out["timeline"] is None
+    assert set(out["step_breakdown_ms"]) == {
+        "schedule", "prepare_inputs", "forward", "sample", "apply_result", "detokenize", "stream"
+    }  # fmt: skip
+    assert all(v is None for v in out["step_breakdown_ms"].values())
+    assert step_breakdown([]) == dict.fromkeys(out["step_breakdown_ms"])
+
+
+def test_ratios_and_tables():
+    runs = [run_doc("a", 10.0, 0.1), run_doc("b", 5.0, 0.3)]
+    table = ratios(runs)
+    assert len(table) == 1 and table[0]["target"] == "b" and table[0]["baseline"] == "a"
+    assert table[0]["request throughput"] == pytest.approx(0.5)
+    assert table[0]["TTFT p50"] == pytest.approx(3.0)
+    text = format_ratios(table)
+    assert "b / a on 8:2" in text and "0.500x" in text
+    run = format_run(runs[0])
+    assert "no engine timeline" in run and "TTFT" in run
