@@ -63,8 +63,8 @@ class EngineCore:
         )
         self.inbox: Receiver[CoreInput] = Receiver(ctx, config.ipc(CORE_IN), CoreInput)
         self.results: Receiver[RunnerOutput] | None = None
-        self.runner: Sender[RunnerInput] = Sender(ctx, config.ipc(RUNNER_IN))
-        self.detok: Sender[DetokInput] = Sender(ctx, config.ipc(DETOK_IN))
+        self.runner: Sender[RunnerInput] = Sender(ctx, config.ipc(RUNNER_IN), shm=True)
+        self.detok: Sender[DetokInput] = Sender(ctx, config.ipc(DETOK_IN), shm=True)
         self.frontends: list[Sender[FrontendInput]] = [
             Sender(ctx, config.ipc(frontend_socket(i))) for i in range(config.api_servers)
         ]

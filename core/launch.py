@@ -16,6 +16,7 @@ from pathlib import Path
 import msgspec
 import zmq
 
+import shm
 from core.channel import Receiver, Sender
 from core.config import CONFIG_ENV, EngineConfig, encode_config
 from core.messages import ControlMessage, EngineDead, Fatal, Ready, Shutdown
@@ -40,6 +41,7 @@ def make_run_dir() -> str:
             continue
         if not _alive(pid):
             shutil.rmtree(old, ignore_errors=True)
+    shm.sweep_stale()  # rings a killed run could not unlink
     return tempfile.mkdtemp(prefix=f"{RUN_PREFIX}{os.getpid()}-", dir=base)
 
 
@@ -144,6 +146,7 @@ class Supervisor:
         self.control.close()
         self.ctx.destroy(linger=0)
         shutil.rmtree(self.config.run_dir, ignore_errors=True)
+        shm.cleanup_run(shm.run_id_of(self.config.run_dir))
 
 
 def _wait_all(procs: list[subprocess.Popen], timeout: float) -> None:
