@@ -43,9 +43,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--threads", type=int, default=default_threads(), help="torch threads on cpu")
     p.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
-    p.add_argument("--sim-profile", default="h100-llama3-8b", choices=list_profiles(),
-                   help="timing profile of --device sim (docs/sim-profiles.md); the KV capacity "
-                   "comes from the profile, --model gives the tokenizer and context length")
+    p.add_argument(
+        "--sim-profile",
+        default="h100-llama3-8b",
+        choices=list_profiles(),
+        help="timing profile of --device sim (docs/sim-profiles.md); the KV capacity "
+        "comes from the profile, --model gives the tokenizer and context length",
+    )
     p.add_argument("--no-cuda-graph", action="store_true", help="run cuda decode steps eagerly")
     p.add_argument("--trace-file", help="write the device timeline as a Chrome trace here")
     p.add_argument("--host", default="127.0.0.1")
