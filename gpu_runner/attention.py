@@ -1,16 +1,58 @@
-"""Paged attention in plain torch, and the per-step metadata it reads.
+"""Paged attention: the step layout every backend plans from, and the torch path of the cpu device.
 
-The KV cache of one layer is a flat array of token rows: [num_blocks * block_size, kv_heads,
-head_dim]. A token at position p of a slot lives at row block_table[slot, p // bs] * bs + p % bs.
-Block 0 is never handed to a request; padded entries point at it.
+The KV cache of one layer is [2, num_blocks * block_size, kv_heads, head_dim]: K and V, each a
+flat array of token rows, which is flashinfer's NHD page layout viewed as
+[num_blocks, block_size, kv_heads, head_dim]. A token at position p of a slot lives at row
+block_table[slot, p // bs] * bs + p % bs. Block 0 is never handed to a request; padding
+entries write and read there.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+
+
+@dataclass
+class StepLayout:
+    """A step's entries as attention sees them, on the host; decode padding included."""
+
+    num_tokens: np.ndarray  # [N] int64 query tokens per entry (dummies: 1)
+    ctx_len: np.ndarray  # [N] int64 context length once this step's tokens are in (dummies: 1)
+    page_table: np.ndarray  # [N, P] int64 KV block per page; valid below num_pages, dummies: 0
+    block_size: int
+
+    @property
+    def num_pages(self) -> np.ndarray:  # [N] int64
+        return -(-self.ctx_len // self.block_size)
+
+    @property
+    def is_decode(self) -> bool:
+        return bool((self.num_tokens == 1).all())
+
+    def page_lists(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """flashinfer's CSR page table: indptr [N+1], indices [sum pages], last_page_len [N]."""
+        pages = self.num_pages
+        indptr = np.zeros(len(pages) + 1, dtype=np.int32)
+        np.cumsum(pages, out=indptr[1:])
+        used = np.arange(self.page_table.shape[1])[None, :] < pages[:, None]  # [N, P]
+        indices = self.page_table[used].astype(np.int32)
+        last = (self.ctx_len - (pages - 1) * self.block_size).astype(np.int32)
+        return indptr, indices, last
+
+
+class AttentionMeta(Protocol):
+    """Per-step attention state shared by every layer; built by the device's backend."""
+
+    slot_mapping: torch.Tensor  # [T] long: cache row written by each query token
+
+    def attend(self, q, k, v, k_cache, v_cache) -> torch.Tensor:
+        """q [T, H, d], k/v [T, KVH, d], caches [R, KVH, d] -> [T, H, d]; writes k, v first."""
+        ...
 
 
 @dataclass
@@ -19,21 +61,73 @@ class PrefillSeq:
 
     token_start: int  # first row of this entry in the step's flat token array
     num_tokens: int
-    kv_rows: torch.Tensor  # [ctx] long: cache rows of positions 0..ctx-1
-    mask: torch.Tensor  # [1, 1, num_tokens, ctx] bool, True where attending is allowed
+    pages: torch.Tensor  # [P] long: KV blocks of the context, in order
+    mask: torch.Tensor  # [1, 1, num_tokens, P * bs] bool, True where attending is allowed
 
 
 @dataclass
 class AttnMetadata:
-    """Built once per step, shared by every layer."""
+    """The torch path's metadata: decodes batched over gathered contexts, prefills one by one."""
 
-    slot_mapping: torch.Tensor  # [T] long: cache row written by each query token
-    decode_rows: (
-        torch.Tensor
-    )  # [D] long: rows of the flat token array that are single-token entries
-    decode_kv_rows: torch.Tensor  # [D, L] long: cache rows of each decode's context, padded with 0
-    decode_mask: torch.Tensor  # [D, 1, 1, L] bool, False on padding
+    slot_mapping: torch.Tensor  # [T] long
+    decode_rows: torch.Tensor  # [D] long: rows of the flat token array with one query token
+    decode_pages: torch.Tensor  # [D, P] long: KV blocks of each decode's context
+    decode_mask: torch.Tensor  # [D, 1, 1, P * bs] bool, False past the context
     prefills: list[PrefillSeq]
+    scale: float
+    block_size: int
+    all_decode: bool = False  # every row is a decode, in order: no gather or scatter of q
+
+    def attend(self, q, k, v, k_cache, v_cache) -> torch.Tensor:
+        return paged_attention(q, k, v, k_cache, v_cache, self)
+
+
+class TorchAttention:
+    """Builds AttnMetadata on the cpu; decode page tables and masks live in static buffers."""
+
+    def __init__(self, max_decodes: int, max_context: int, block_size: int, scale: float) -> None:
+        self.scale = scale
+        self.block_size = block_size
+        max_pages = -(-max_context // block_size)
+        self._pages = np.zeros(max_decodes * max_pages, dtype=np.int64)
+        self._mask = np.zeros(max_decodes * max_pages * block_size, dtype=bool)
+
+    def build(self, layout: StepLayout, slot_mapping: torch.Tensor) -> AttnMetadata:
+        bs = layout.block_size
+        n = layout.num_tokens
+        ends = np.cumsum(n)
+        single = np.flatnonzero(n == 1)
+        meta = AttnMetadata(
+            slot_mapping=slot_mapping,
+            decode_rows=torch.from_numpy(ends[single] - 1),
+            decode_pages=torch.empty((0, 0), dtype=torch.long),
+            decode_mask=torch.empty((0, 1, 1, 0), dtype=torch.bool),
+            prefills=[],
+            scale=self.scale,
+            block_size=bs,
+            all_decode=len(single) == len(n),
+        )
+        if len(single):
+            d, p = len(single), int(layout.num_pages[single].max())
+            pages = self._pages[: d * p].reshape(d, p)
+            np.take(layout.page_table[:, :p], single, axis=0, out=pages)
+            mask = self._mask[: d * p * bs].reshape(d, p * bs)
+            np.less(np.arange(p * bs)[None, :], layout.ctx_len[single, None], out=mask)
+            meta.decode_pages = torch.from_numpy(pages)
+            meta.decode_mask = torch.from_numpy(mask)[:, None, None, :]
+        for j in np.flatnonzero(n > 1):  # per prompt chunk: its own causal mask over the prefix
+            p = int(layout.num_pages[j])
+            q_pos = layout.ctx_len[j] - n[j] + np.arange(n[j])
+            mask = np.arange(p * bs)[None, :] <= q_pos[:, None]  # [n, P * bs]
+            meta.prefills.append(
+                PrefillSeq(
+                    token_start=int(ends[j] - n[j]),
+                    num_tokens=int(n[j]),
+                    pages=torch.from_numpy(layout.page_table[j, :p].copy()),
+                    mask=torch.from_numpy(mask)[None, None],
+                )
+            )
+        return meta
 
 
 def paged_attention(
@@ -43,26 +137,33 @@ def paged_attention(
     k_cache: torch.Tensor,  # [R, KVH, d], R = num_blocks * block_size
     v_cache: torch.Tensor,
     meta: AttnMetadata,
-    scale: float,
 ) -> torch.Tensor:  # [T, H, d]
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
+    if meta.all_decode:
+        return _decode(q.unsqueeze(2), k_cache, v_cache, meta).squeeze(2)
     out = torch.empty_like(q)
     if meta.decode_rows.numel():
         qd = q.index_select(0, meta.decode_rows).unsqueeze(2)  # [D, H, 1, d]
-        kd = k_cache[meta.decode_kv_rows].transpose(1, 2)  # [D, KVH, L, d]
-        vd = v_cache[meta.decode_kv_rows].transpose(1, 2)
-        od = F.scaled_dot_product_attention(
-            qd, kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
-        )
-        out.index_copy_(0, meta.decode_rows, od.squeeze(2))
+        out.index_copy_(0, meta.decode_rows, _decode(qd, k_cache, v_cache, meta).squeeze(2))
+    paged = (-1, meta.block_size, *k_cache.shape[1:])  # [blocks, bs, KVH, d]
     for p in meta.prefills:
         rows = slice(p.token_start, p.token_start + p.num_tokens)
         qp = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, d]
-        kp = k_cache[p.kv_rows].transpose(0, 1).unsqueeze(0)  # [1, KVH, ctx, d]
-        vp = v_cache[p.kv_rows].transpose(0, 1).unsqueeze(0)
+        kp = k_cache.view(paged)[p.pages].flatten(0, 1).transpose(0, 1).unsqueeze(0)
+        vp = v_cache.view(paged)[p.pages].flatten(0, 1).transpose(0, 1).unsqueeze(0)
         op = F.scaled_dot_product_attention(
-            qp, kp, vp, attn_mask=p.mask, scale=scale, enable_gqa=True
+            qp, kp, vp, attn_mask=p.mask, scale=meta.scale, enable_gqa=True
         )
         out[rows] = op.squeeze(0).transpose(0, 1)
     return out
+
+
+def _decode(qd: torch.Tensor, k_cache, v_cache, meta: AttnMetadata) -> torch.Tensor:
+    # qd [D, H, 1, d] -> [D, H, 1, d]; contexts gathered a block at a time
+    paged = (-1, meta.block_size, *k_cache.shape[1:])  # [blocks, bs, KVH, d]
+    kd = k_cache.view(paged)[meta.decode_pages].flatten(1, 2).transpose(1, 2)  # [D, KVH, L, d]
+    vd = v_cache.view(paged)[meta.decode_pages].flatten(1, 2).transpose(1, 2)
+    return F.scaled_dot_product_attention(
+        qd, kd, vd, attn_mask=meta.decode_mask, scale=meta.scale, enable_gqa=True
+    )

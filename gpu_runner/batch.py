@@ -1,6 +1,10 @@
 """The persistent batch: per-slot state kept across steps, and a step's inputs built from it.
 
-Host-side mirrors are numpy; everything per token is computed with array ops over the plan.
+Host-side state is numpy; everything per token is computed with array ops over the plan. A
+step's per-row inputs go into one static token-major table, [rows, NUM_COLS] int64, so that
+the device reads every step from the same addresses (what a CUDA graph replays) and the rows a
+step uses are one contiguous host-to-device copy. On cuda the host side is a small ring of
+pinned tables, so a table is never rewritten while its copy may still be queued.
 """
 
 from __future__ import annotations
@@ -11,34 +15,65 @@ import numpy as np
 import torch
 
 from core.messages import StepPlan
-from gpu_runner.attention import AttnMetadata, PrefillSeq
+from gpu_runner.attention import StepLayout
+from gpu_runner.graph import padded_size
+
+# columns of the token table; rows past a column's length hold stale values and are never read
+IDS = 0  # [T] fed token id, or -1: read last_token[slot] on the device
+TOK_SLOT = 1  # [T] slot of each token
+POSITIONS = 2  # [T] position of each token
+SLOT_MAPPING = 3  # [T] cache row each token's K/V is written to
+LOGIT_ROWS = 4  # [B_s] row whose logits are sampled; padded decodes: then 0s up to the size
+SAMPLE_SLOTS = 5  # [B_s] slot of each sampling entry
+SAMPLE_POSITIONS = 6  # [B_s] position the sampled token will take
+FED_SLOTS = 7  # [F] slot of each token fed by the plan (penalty bookkeeping)
+FED_POSITIONS = 8  # [F]
+FED_IDS = 9  # [F]
+NUM_COLS = 10
+STAGING_DEPTH = 2  # pinned host tables on cuda; the runner has at most two steps in flight
 
 
 @dataclass
 class StepInputs:
-    input_ids: torch.Tensor  # [T] long
-    positions: torch.Tensor  # [T] long
-    meta: AttnMetadata
-    logit_rows: torch.Tensor  # [B_s] long: last row of each sampling entry
-    sample_slots: torch.Tensor  # [B_s] long
-    sample_slots_host: np.ndarray  # [B_s] int64, the same on the host
-    sample_positions: torch.Tensor  # [B_s] long: position the sampled token will take
-    fed_slots: torch.Tensor  # [F] long: slot of each host-fed token (penalty bookkeeping)
+    """Sizes of one prepared step; its tensors are views of the batch's static table."""
+
+    num_rows: int  # rows the model runs: T, or the padded size of a decode batch
+    num_tokens: int  # T, real query tokens
+    num_sample: int  # B_s, entries that sample
+    num_fed: int  # F, tokens carried by the plan
+    padded: bool  # a decode-only batch run as num_rows entries by the graph layer
+    layout: StepLayout
+    sample_slots_host: np.ndarray  # [B_s] int64
     fed_slots_host: np.ndarray  # [F] int64
-    fed_positions: torch.Tensor  # [F] long
-    fed_ids: torch.Tensor  # [F] long
-    num_tokens: int
 
 
 class PersistentBatch:
-    def __init__(self, max_slots: int, max_blocks_per_seq: int, block_size: int, device) -> None:
+    def __init__(
+        self,
+        max_slots: int,
+        max_blocks_per_seq: int,
+        block_size: int,
+        max_rows: int,
+        device,
+    ) -> None:
         self.block_size = block_size
-        self.device = device
+        self.device = torch.device(device)
         self.block_table = np.zeros((max_slots, max_blocks_per_seq), dtype=np.int64)
         self.num_blocks = np.zeros(max_slots, dtype=np.int64)
         self.active = np.zeros(max_slots, dtype=bool)
         # [max_slots] long, on device: the token each slot sampled last
-        self.last_token = torch.zeros(max_slots, dtype=torch.long, device=device)
+        self.last_token = torch.zeros(max_slots, dtype=torch.long, device=self.device)
+        shape = (max_rows, NUM_COLS)
+        if self.device.type == "cpu":  # host and device share the one table
+            self.table = torch.zeros(shape, dtype=torch.long)  # [rows, NUM_COLS] long
+            self._staging = [self.table]
+        else:
+            self.table = torch.zeros(shape, dtype=torch.long, device=self.device)
+            self._staging = [
+                torch.zeros(shape, dtype=torch.long, pin_memory=True) for _ in range(STAGING_DEPTH)
+            ]
+        self._copied = [None] * len(self._staging)  # cuda events: each staging copy is done
+        self._turn = 0
 
     def add(self, slot: int) -> None:
         assert not self.active[slot], f"slot {slot} added twice"
@@ -49,7 +84,30 @@ class PersistentBatch:
         assert self.active[slot], f"slot {slot} freed while not in use"
         self.active[slot] = False
 
-    def prepare(self, plan: StepPlan) -> StepInputs:
+    def column(self, col: int, rows: int) -> torch.Tensor:  # [rows] long, on device
+        return self.table[:rows, col]
+
+    def _host_table(self) -> np.ndarray:
+        """The next staging table, once the copy that last read it has run."""
+        self._turn = (self._turn + 1) % len(self._staging)
+        done = self._copied[self._turn]
+        if done is not None and not done.query():
+            done.synchronize()  # why: the GPU is two steps behind; rewriting would race the copy
+        return self._staging[self._turn].numpy()
+
+    def upload(self, inp: StepInputs) -> None:
+        """Copy the prepared rows to the device table, on the current stream."""
+        if self.device.type == "cpu":
+            return
+        rows = inp.num_rows
+        self.table[:rows].copy_(self._staging[self._turn][:rows], non_blocking=True)
+        if self._copied[self._turn] is None:
+            self._copied[self._turn] = torch.cuda.Event()
+        self._copied[self._turn].record()
+
+    def prepare(self, plan: StepPlan, pad: bool = True) -> StepInputs:
+        """Fill the host table for one step and describe it; pad a decode-only batch to its
+        capture size when `pad`. upload() then moves the rows to the device."""
         bs = self.block_size
         slots = np.asarray(plan.slots, dtype=np.int64)  # [B]
         n = np.asarray(plan.num_tokens, dtype=np.int64)  # [B]
@@ -67,68 +125,50 @@ class PersistentBatch:
             np.add.at(self.num_blocks, slots, nb)
 
         # per token: entry, position, cache row
-        t = int(n.sum())
+        b, t = len(slots), int(n.sum())
         ends = np.cumsum(n)
-        entry = np.repeat(np.arange(len(n)), n)  # [T]
+        entry = np.repeat(np.arange(b), n)  # [T]
         positions = start[entry] + np.arange(t) - (ends - n)[entry]
         tok_slot = slots[entry]
-        slot_mapping = self.block_table[tok_slot, positions // bs] * bs + positions % bs
-
-        # ids: carried by the plan, or read from last_token on the device
-        fed = has_tokens[entry]
-        input_ids = torch.empty(t, dtype=torch.long, device=self.device)
-        fed_ids = torch.as_tensor(np.asarray(plan.token_ids, dtype=np.int64), device=self.device)
-        fed_rows = np.flatnonzero(fed)
-        if len(fed_rows) == t:
-            input_ids.copy_(fed_ids)
-        else:
-            input_ids[torch.as_tensor(fed_rows)] = fed_ids
-            dev_rows = np.flatnonzero(~fed)
-            input_ids[torch.as_tensor(dev_rows)] = self.last_token[
-                torch.as_tensor(tok_slot[dev_rows])
-            ]
-
+        fed_rows = np.flatnonzero(has_tokens[entry])
+        padded = pad and t == b
+        num_rows = padded_size(b) if padded else t
         ctx_len = start + n
-        single = np.flatnonzero(n == 1)
-        meta = AttnMetadata(
-            slot_mapping=torch.as_tensor(slot_mapping, device=self.device),
-            decode_rows=torch.as_tensor(ends[single] - 1, device=self.device),
-            decode_kv_rows=torch.empty(0, dtype=torch.long),
-            decode_mask=torch.empty(0, dtype=torch.bool),
-            prefills=[],
+        picked = np.flatnonzero(sample)
+        s, f = len(picked), len(fed_rows)
+
+        table = self._host_table()
+        table[:t, IDS] = -1
+        table[fed_rows, IDS] = plan.token_ids
+        table[:t, TOK_SLOT] = tok_slot
+        table[:t, POSITIONS] = positions
+        table[:t, SLOT_MAPPING] = self.block_table[tok_slot, positions // bs] * bs + positions % bs
+        table[t:num_rows, :LOGIT_ROWS] = 0  # dummies: token 0 at position 0, K/V into block 0
+        table[:s, LOGIT_ROWS] = ends[picked] - 1
+        table[s:num_rows, LOGIT_ROWS] = 0
+        table[:s, SAMPLE_SLOTS] = slots[picked]
+        table[:s, SAMPLE_POSITIONS] = ctx_len[picked]
+        table[:f, FED_SLOTS] = tok_slot[fed_rows]
+        table[:f, FED_POSITIONS] = positions[fed_rows]
+        table[:f, FED_IDS] = plan.token_ids
+
+        num_entries = num_rows if padded else b
+        pages = int(-(-ctx_len.max() // bs))
+        page_table = np.zeros((num_entries, pages), dtype=np.int64)
+        page_table[:b] = self.block_table[slots, :pages]
+        layout = StepLayout(
+            num_tokens=np.ones(num_entries, dtype=np.int64) if padded else n,
+            ctx_len=np.concatenate([ctx_len, np.ones(num_entries - b, dtype=np.int64)]),
+            page_table=page_table,
+            block_size=bs,
         )
-        if len(single):
-            lmax = int(ctx_len[single].max())
-            pos = np.arange(lmax)
-            mask = pos[None, :] < ctx_len[single][:, None]  # [D, L]
-            rows = self.block_table[slots[single][:, None], pos[None, :] // bs] * bs + pos % bs
-            meta.decode_kv_rows = torch.as_tensor(np.where(mask, rows, 0), device=self.device)
-            meta.decode_mask = torch.as_tensor(mask[:, None, None, :], device=self.device)
-        for j in np.flatnonzero(n > 1):
-            ctx = int(ctx_len[j])
-            pos = np.arange(ctx)
-            rows = self.block_table[slots[j], pos // bs] * bs + pos % bs
-            q_pos = start[j] + np.arange(n[j])
-            mask = pos[None, :] <= q_pos[:, None]  # causal over the cached prefix
-            meta.prefills.append(
-                PrefillSeq(
-                    token_start=int(ends[j] - n[j]),
-                    num_tokens=int(n[j]),
-                    kv_rows=torch.as_tensor(rows, device=self.device),
-                    mask=torch.as_tensor(mask[None, None], device=self.device),
-                )
-            )
         return StepInputs(
-            input_ids=input_ids,
-            positions=torch.as_tensor(positions, device=self.device),
-            meta=meta,
-            logit_rows=torch.as_tensor(ends[sample] - 1, device=self.device),
-            sample_slots=torch.as_tensor(slots[sample], device=self.device),
-            sample_slots_host=slots[sample],
-            sample_positions=torch.as_tensor(ctx_len[sample], device=self.device),
-            fed_slots=torch.as_tensor(tok_slot[fed_rows], device=self.device),
-            fed_slots_host=tok_slot[fed_rows],
-            fed_positions=torch.as_tensor(positions[fed_rows], device=self.device),
-            fed_ids=fed_ids,
+            num_rows=num_rows,
             num_tokens=t,
+            num_sample=s,
+            num_fed=f,
+            padded=padded,
+            layout=layout,
+            sample_slots_host=slots[picked],
+            fed_slots_host=tok_slot[fed_rows],
         )

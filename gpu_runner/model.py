@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from core.model_files import ModelArch
-from gpu_runner.attention import AttnMetadata, paged_attention
+from gpu_runner.attention import AttentionMeta
 
 
 def rope_inv_freq(arch: ModelArch) -> torch.Tensor:  # [head_dim // 2] float32
@@ -62,14 +62,13 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(arch.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(arch.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, arch.hidden_size, bias=False)
-        self.scale = self.head_dim**-0.5
 
-    def forward(self, x, cos, sin, kv: torch.Tensor, meta: AttnMetadata) -> torch.Tensor:
+    def forward(self, x, cos, sin, kv: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
         t = x.shape[0]
         q = rotate(self.q_proj(x).view(t, self.num_heads, self.head_dim), cos, sin)
         k = rotate(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim), cos, sin)
         v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        o = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)
+        o = meta.attend(q, k, v, kv[0], kv[1])
         return self.o_proj(o.reshape(t, -1))
 
 
@@ -138,7 +137,7 @@ class LlamaModel(nn.Module):
         input_ids: torch.Tensor,  # [T] long
         positions: torch.Tensor,  # [T] long
         kv_cache: torch.Tensor,  # [layers, 2, R, KVH, d]
-        meta: AttnMetadata,
+        meta: AttentionMeta,
         logit_rows: torch.Tensor,  # [B] long: rows whose next-token logits are wanted
     ) -> torch.Tensor:  # [B, vocab] float32
         x = self.model.embed_tokens(input_ids)

@@ -1,4 +1,8 @@
-"""Executes step plans on the cpu device: model, paged KV cache, persistent batch, sampler."""
+"""Executes step plans: model, paged KV cache, persistent batch, graph layer, sampler.
+
+ModelRunner is the cpu device's backend; CudaBackend (gpu_runner/cuda.py) builds on it and
+changes only the attention backend, the graph capture and how results come back to the host.
+"""
 
 from __future__ import annotations
 
@@ -10,9 +14,24 @@ import torch
 from core.config import EngineConfig
 from core.messages import StepPlan, StepResult, StepTiming
 from core.model_files import ModelArch, load_arch
-from gpu_runner.batch import PersistentBatch
+from gpu_runner.attention import AttentionMeta, TorchAttention
+from gpu_runner.batch import (
+    FED_IDS,
+    FED_POSITIONS,
+    FED_SLOTS,
+    IDS,
+    LOGIT_ROWS,
+    POSITIONS,
+    SAMPLE_POSITIONS,
+    SAMPLE_SLOTS,
+    SLOT_MAPPING,
+    TOK_SLOT,
+    PersistentBatch,
+    StepInputs,
+)
+from gpu_runner.graph import DecodeGraphs, capture_sizes
 from gpu_runner.model import LlamaModel, rope_inv_freq
-from gpu_runner.sampler import SamplerState
+from gpu_runner.sampler import SampleOutput, SamplerState
 from gpu_runner.weights import load_weights
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
@@ -27,11 +46,38 @@ def num_kv_blocks(arch: ModelArch, config: EngineConfig, dtype: torch.dtype) -> 
     return int(min(fit, config.max_num_seqs * per_seq + 1))
 
 
+def step_result(seq: int, out: SampleOutput, num_logprobs: np.ndarray) -> StepResult:
+    """out holds host tensors; num_logprobs [B_s] is each sampled row's ask (-1: none)."""
+    result = StepResult(
+        seq=seq,
+        token_ids=out.token_ids.tolist(),
+        logprobs=[],
+        top_counts=[],
+        top_ids=[],
+        top_logprobs=[],
+    )
+    if out.logprobs is not None:
+        k = np.maximum(num_logprobs, 0)  # [B_s] top entries each row asked for
+        result.logprobs = out.logprobs.tolist()
+        result.top_counts = k.tolist()
+        if k.any():
+            keep = np.arange(out.top_ids.shape[1])[None, :] < k[:, None]  # [B_s, K]
+            keep_t = torch.as_tensor(keep)
+            result.top_ids = out.top_ids[keep_t].tolist()
+            result.top_logprobs = out.top_logprobs[keep_t].tolist()
+    return result
+
+
 class ModelRunner:
-    def __init__(self, config: EngineConfig, device: str = "cpu") -> None:
+    def __init__(
+        self, config: EngineConfig, device: str = "cpu", use_graphs: bool | None = None
+    ) -> None:
+        """use_graphs (default config.cuda_graph): run decode-only batches padded through the
+        graph layer; False runs every step eagerly at its own size."""
         self.config = config
         self.device = torch.device(device)
         self.dtype = DTYPES[config.dtype]
+        self.use_graphs = config.cuda_graph if use_graphs is None else use_graphs
         if self.device.type == "cpu":
             torch.set_num_threads(config.threads)
         arch = load_arch(config.model)
@@ -45,7 +91,7 @@ class ModelRunner:
         self.num_blocks = num_kv_blocks(arch, config, self.dtype)
         assert self.num_blocks >= 2, "--kv-cache-memory holds less than one KV block"
         rows = self.num_blocks * config.block_size
-        # [layers, K|V, rows, kv_heads, head_dim]
+        # [layers, K|V, rows, kv_heads, head_dim]; per layer and K or V, flashinfer's NHD pages
         self.kv_cache = torch.zeros(
             arch.num_layers,
             2,
@@ -55,10 +101,17 @@ class ModelRunner:
             dtype=self.dtype,
             device=self.device,
         )
-        max_blocks = -(-config.model.max_model_len // config.block_size)
+        self.max_blocks_per_seq = -(-config.model.max_model_len // config.block_size)
+        sizes = capture_sizes(config.max_num_seqs)
         self.batch = PersistentBatch(
-            config.max_num_seqs, max_blocks, config.block_size, self.device
+            config.max_num_seqs,
+            self.max_blocks_per_seq,
+            config.block_size,
+            max(config.max_num_batched_tokens, sizes[-1]),
+            self.device,
         )
+        self.graphs = DecodeGraphs(self.forward, sizes)
+        self.attn = self.make_attention()
         self.sampler = SamplerState(
             config.max_num_seqs,
             arch.vocab_size,
@@ -68,6 +121,11 @@ class ModelRunner:
         )
         self.num_logprobs = np.full(config.max_num_seqs, -1, dtype=np.int64)  # -1: not asked
         self.last_seq = 0
+
+    def make_attention(self):
+        max_context = self.max_blocks_per_seq * self.config.block_size
+        bs, scale = self.config.block_size, self.arch.head_dim**-0.5
+        return TorchAttention(self.graphs.max_size, max_context, bs, scale)
 
     # the Backend contract: on cpu a launch runs the whole step, so it is ready at once
     def launch(self, plan: StepPlan) -> StepResult:
@@ -79,9 +137,10 @@ class ModelRunner:
     def collect(self, handle: StepResult) -> StepResult:
         return handle
 
-    @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> StepResult:
-        received = time.perf_counter()
+    # ------------------------------------------------------------------ a step, in parts
+
+    def begin(self, plan: StepPlan) -> None:
+        """Check the order and apply the plan's slot changes."""
         assert plan.seq == self.last_seq + 1, f"plan {plan.seq} after {self.last_seq}: out of order"
         self.last_seq = plan.seq
         for slot in plan.freed_slots:
@@ -92,8 +151,57 @@ class ModelRunner:
             self.sampler.add(new.slot, new.params, new.num_prompt_tokens)
             lp = new.params.logprobs
             self.num_logprobs[new.slot] = -1 if lp is None else min(lp, self.config.max_logprobs)
+
+    def prepare(self, plan: StepPlan) -> tuple[StepInputs, AttentionMeta]:
+        """Host work: the static table (not yet uploaded) and the attention plan."""
+        inp = self.batch.prepare(plan, pad=self.use_graphs)
+        meta = self.attn.build(inp.layout, self.batch.column(SLOT_MAPPING, inp.num_rows))
+        return inp, meta
+
+    def forward(
+        self, num_rows: int, meta: AttentionMeta, num_logits: int | None = None
+    ) -> torch.Tensor:  # [num_logits, vocab] float32
+        """The model over the first num_rows rows of the static table; what the graphs hold."""
+        fed = self.batch.column(IDS, num_rows)
+        from_device = self.batch.last_token[self.batch.column(TOK_SLOT, num_rows)]
+        input_ids = torch.where(fed >= 0, fed, from_device)  # [rows] long
+        positions = self.batch.column(POSITIONS, num_rows)
+        logit_rows = self.batch.column(LOGIT_ROWS, num_rows if num_logits is None else num_logits)
+        return self.model(input_ids, positions, self.kv_cache, meta, logit_rows)
+
+    def run_model(self, inp: StepInputs, meta: AttentionMeta) -> torch.Tensor:
+        """[B_s, vocab] float32 logits of the sampling entries, in entry order."""
+        self.batch.upload(inp)
+        if inp.padded:
+            return self.graphs.run(inp.num_rows, meta)[: inp.num_sample]
+        return self.forward(inp.num_rows, meta, inp.num_sample)
+
+    def sample(self, inp: StepInputs, logits: torch.Tensor) -> SampleOutput:
+        """Sample, write last_token, and count the step's tokens for penalties; no host sync."""
+        col = self.batch.column
+        if inp.num_fed:
+            fed_slots = col(FED_SLOTS, inp.num_fed)
+            fed = (fed_slots, col(FED_POSITIONS, inp.num_fed), col(FED_IDS, inp.num_fed))
+            self.sampler.record(*fed, inp.fed_slots_host)
+        slots = col(SAMPLE_SLOTS, inp.num_sample)
+        positions = col(SAMPLE_POSITIONS, inp.num_sample)
+        host = inp.sample_slots_host
+        out = self.sampler.sample(logits, slots, positions, host)
+        self.batch.last_token[slots] = out.token_ids
+        self.sampler.record(slots, positions, out.token_ids, host)
+        return out
+
+    def forward_plan(self, plan: StepPlan) -> tuple[StepInputs, torch.Tensor]:
+        """begin, prepare and run_model: the step's inputs and its sampling entries' logits."""
+        self.begin(plan)
+        inp, meta = self.prepare(plan)
+        return inp, self.run_model(inp, meta)
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        received = time.perf_counter()
+        self.begin(plan)
         if not plan.slots:
-            now = time.perf_counter()
             return StepResult(
                 seq=plan.seq,
                 token_ids=[],
@@ -101,32 +209,15 @@ class ModelRunner:
                 top_counts=[],
                 top_ids=[],
                 top_logprobs=[],
-                timing=StepTiming(received, now, now, now, now),
+                timing=StepTiming(received, received, received, received, time.perf_counter()),
             )
-        inp = self.batch.prepare(plan)
+        inp, meta = self.prepare(plan)
         launched = time.perf_counter()
-        logits = self.model(inp.input_ids, inp.positions, self.kv_cache, inp.meta, inp.logit_rows)
+        logits = self.run_model(inp, meta)
         forwarded = time.perf_counter()
-        if inp.fed_ids.numel():
-            self.sampler.record(inp.fed_slots, inp.fed_positions, inp.fed_ids, inp.fed_slots_host)
-        host = inp.sample_slots_host
-        out = self.sampler.sample(logits, inp.sample_slots, inp.sample_positions, host)
-        self.batch.last_token[inp.sample_slots] = out.token_ids
-        self.sampler.record(inp.sample_slots, inp.sample_positions, out.token_ids, host)
-        ids = out.token_ids.tolist()
+        out = self.sample(inp, logits)
+        result = step_result(plan.seq, out, self.num_logprobs[inp.sample_slots_host])
         device_end = time.perf_counter()
-        result = StepResult(
-            seq=plan.seq, token_ids=ids, logprobs=[], top_counts=[], top_ids=[], top_logprobs=[]
-        )
-        if out.logprobs is not None:
-            k = np.maximum(self.num_logprobs[host], 0)  # [B_s] top entries each row asked for
-            result.logprobs = out.logprobs.tolist()
-            result.top_counts = k.tolist()
-            if k.any():
-                keep = np.arange(out.top_ids.shape[1])[None, :] < k[:, None]  # [B_s, K]
-                keep_t = torch.as_tensor(keep)
-                result.top_ids = out.top_ids[keep_t].tolist()
-                result.top_logprobs = out.top_logprobs[keep_t].tolist()
         result.timing = StepTiming(
             plan_received=received,
             launched=launched,

@@ -7,7 +7,8 @@ import torch
 
 from core.messages import NewSlot, SamplingParams, StepPlan
 from core.model_files import ModelArch
-from gpu_runner.batch import PersistentBatch
+from gpu_runner.attention import TorchAttention
+from gpu_runner.batch import IDS, LOGIT_ROWS, POSITIONS, SLOT_MAPPING, TOK_SLOT, PersistentBatch
 from gpu_runner.model import LlamaModel
 
 transformers = pytest.importorskip("transformers")
@@ -80,9 +81,16 @@ def _step(batch, model, kv, entries, seq, new=()):
     plan.num_new_blocks, plan.new_blocks = nb, blocks
     for s in new:
         batch.add(s)
-    inp = batch.prepare(plan)
+    inp = batch.prepare(plan, pad=True)
+    rows = inp.num_rows
+    meta = TorchAttention(8, 64 * BS, BS, 16**-0.5).build(
+        inp.layout, batch.column(SLOT_MAPPING, rows)
+    )
+    fed = batch.column(IDS, rows)
+    ids = torch.where(fed >= 0, fed, batch.last_token[batch.column(TOK_SLOT, rows)])
+    logit_rows = batch.column(LOGIT_ROWS, inp.num_sample)
     with torch.inference_mode():
-        return model(inp.input_ids, inp.positions, kv, inp.meta, inp.logit_rows)
+        return model(ids, batch.column(POSITIONS, rows), kv, meta, logit_rows)
 
 
 def test_prefill_chunks_and_decodes_match_transformers(pair):
@@ -90,7 +98,7 @@ def test_prefill_chunks_and_decodes_match_transformers(pair):
     torch.manual_seed(1)
     a = torch.randint(0, 128, (13,)).tolist()
     b = torch.randint(0, 128, (6,)).tolist()
-    batch = PersistentBatch(4, 64, BS, "cpu")
+    batch = PersistentBatch(4, 64, BS, 32, "cpu")
     kv = torch.zeros(2, 2, 80 * BS, 2, 16)
     # step 1: a's first chunk (7) alone; step 2: a's second chunk (6) with b's whole prompt
     _step(batch, model, kv, [(0, 0, a[:7], False)], 1, new=[0])

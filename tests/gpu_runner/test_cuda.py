@@ -1,0 +1,143 @@
+"""The cuda device against the cpu device (fp32) and transformers: bf16 logits, greedy tokens,
+graph replay against eager, and no host sync inside a decode step's launch."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+import pytest
+import torch
+
+from core.messages import SamplingParams
+from gpu_runner.runner import ModelRunner
+from tests.engine_harness import Harness, make_config
+from tests.gpu_runner.test_padding import Plans
+
+transformers = pytest.importorskip("transformers")
+HAS_FLASHINFER = importlib.util.find_spec("flashinfer") is not None
+gpu = pytest.mark.skipif(
+    not (torch.cuda.is_available() and HAS_FLASHINFER), reason="needs CUDA and flashinfer"
+)
+
+BS = 16
+PROMPTS = {0: list(range(3, 40)), 1: [11, 12, 13], 2: list(range(100, 120))}
+
+
+def _cuda(tiny_model_dir, **overrides):
+    from gpu_runner.cuda import CudaBackend
+
+    config = make_config(
+        tiny_model_dir, device="cuda", dtype="bfloat16", block_size=BS, max_num_seqs=8, **overrides
+    )
+    return CudaBackend(config)
+
+
+def _step(runner, plan) -> tuple[torch.Tensor, list[int]]:
+    """The step's logits [B_s, vocab] on the host, and its sampled ids."""
+    with torch.inference_mode():
+        inp, logits = runner.forward_plan(plan)
+        host = logits.float().cpu()
+        return host, runner.sample(inp, logits).token_ids.tolist()
+
+
+@pytest.mark.gpu
+@gpu
+def test_bf16_logits_and_greedy_match_cpu_fp32(tiny_model_dir):
+    cpu = ModelRunner(make_config(tiny_model_dir, block_size=BS, max_num_seqs=8))
+    cuda = _cuda(tiny_model_dir)
+    cpu_plans, cuda_plans = Plans(BS), Plans(BS)
+    want, want_ids = _step(cpu, cpu_plans.step(PROMPTS, []))
+    got, got_ids = _step(cuda, cuda_plans.step(PROMPTS, []))
+    for _ in range(5):  # decodes fed the cpu's tokens, so a near tie cannot derail the rest
+        torch.testing.assert_close(got, want, atol=0.15, rtol=0.03)
+        top2 = want.topk(2, dim=-1).values
+        clear = (top2[:, 0] - top2[:, 1]) > 0.5
+        pairs = zip(got_ids, want_ids, clear.tolist(), strict=True)
+        assert all(g == w for g, w, c in pairs if c), "greedy differs where the winner is clear"
+        carry = dict(zip(PROMPTS, want_ids, strict=True))
+        want, want_ids = _step(cpu, cpu_plans.step({}, [], carry))
+        got, got_ids = _step(cuda, cuda_plans.step({}, [], carry))
+
+
+@pytest.mark.gpu
+@gpu
+def test_graph_replay_equals_eager(tiny_model_dir):
+    cuda = _cuda(tiny_model_dir)
+    plans = Plans(BS)
+    _step(cuda, plans.step(PROMPTS, []))
+    with torch.inference_mode():
+        cuda.begin(plan := plans.step({}, list(PROMPTS)))
+        inp, meta = cuda.prepare(plan)
+        assert inp.padded and inp.num_rows == 4
+        cuda.batch.upload(inp)
+        replayed = cuda.graphs.run(inp.num_rows, meta).clone()
+        eager = cuda.forward(inp.num_rows, meta)
+    torch.testing.assert_close(replayed, eager, atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.gpu
+@gpu
+def test_graphs_and_eager_give_the_same_tokens(tiny_model_dir):
+    tokens = []
+    for graphs in (True, False):
+        cuda = _cuda(tiny_model_dir, cuda_graph=graphs)
+        plans = Plans(BS)
+        ids = [_step(cuda, plans.step(PROMPTS, []))[1]]
+        ids += [_step(cuda, plans.step({}, list(PROMPTS)))[1] for _ in range(6)]
+        tokens.append(ids)
+    assert tokens[0] == tokens[1]
+
+
+@pytest.mark.gpu
+@gpu
+def test_decode_launch_has_no_host_sync(tiny_model_dir):
+    cuda = _cuda(tiny_model_dir)
+    plans = Plans(BS)
+    cuda.collect(cuda.launch(plans.step(PROMPTS, [])))
+    for _ in range(2):
+        cuda.collect(cuda.launch(plans.step({}, list(PROMPTS))))
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        first = cuda.launch(plans.step({}, list(PROMPTS)))
+        second = cuda.launch(plans.step({}, list(PROMPTS)))  # launched before first is read
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    for handle in (first, second):
+        result = cuda.collect(handle)
+        assert len(result.token_ids) == 3
+        t = result.timing
+        assert t.device_start <= t.device_end <= t.published + 1e-3
+        assert cuda.seconds_until_ready(handle) == 0.0
+
+
+@pytest.mark.gpu
+@gpu
+def test_engine_greedy_on_cuda_equals_transformers(tiny_model_dir):
+    ref = transformers.LlamaForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32)
+    prompts = [list(range(5, 5 + n)) for n in (5, 37, 12)]
+    want = []
+    for p in prompts:
+        with torch.no_grad():
+            out = ref.generate(
+                torch.tensor([p]),
+                max_new_tokens=4,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+        want.append(out[0, len(p) :].tolist())
+    config = make_config(tiny_model_dir, block_size=BS, max_num_seqs=8)
+    h = Harness(config, depth=2)
+    h.runner = _cuda(tiny_model_dir)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    got = h.run({0: [(f"r{i}", p, params) for i, p in enumerate(prompts)]})
+    assert [got[f"r{i}"] for i in range(len(prompts))] == want
+
+
+def test_missing_flashinfer_is_a_clear_error(tiny_model_dir, monkeypatch):
+    from gpu_runner.cuda import CudaBackend
+
+    monkeypatch.setitem(sys.modules, "flashinfer", None)  # import raises ImportError
+    with pytest.raises(RuntimeError, match=r"pip install 'gapless\[cuda\]'"):
+        CudaBackend(make_config(tiny_model_dir, device="cuda"))
