@@ -150,8 +150,8 @@ def paged_attention(
     for p in meta.prefills:
         rows = slice(p.token_start, p.token_start + p.num_tokens)
         qp = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, d]
-        kp = k_cache.view(paged)[p.pages].flatten(0, 1).transpose(0, 1).unsqueeze(0)
-        vp = v_cache.view(paged)[p.pages].flatten(0, 1).transpose(0, 1).unsqueeze(0)
+        kp = _gather(k_cache, paged, p.pages).flatten(0, 1).transpose(0, 1).unsqueeze(0)
+        vp = _gather(v_cache, paged, p.pages).flatten(0, 1).transpose(0, 1).unsqueeze(0)
         op = F.scaled_dot_product_attention(
             qp, kp, vp, attn_mask=p.mask, scale=meta.scale, enable_gqa=True
         )
@@ -162,8 +162,17 @@ def paged_attention(
 def _decode(qd: torch.Tensor, k_cache, v_cache, meta: AttnMetadata) -> torch.Tensor:
     # qd [D, H, 1, d] -> [D, H, 1, d]; contexts gathered a block at a time
     paged = (-1, meta.block_size, *k_cache.shape[1:])  # [blocks, bs, KVH, d]
-    kd = k_cache.view(paged)[meta.decode_pages].flatten(1, 2).transpose(1, 2)  # [D, KVH, L, d]
-    vd = v_cache.view(paged)[meta.decode_pages].flatten(1, 2).transpose(1, 2)
+    kd = _gather(k_cache, paged, meta.decode_pages).flatten(1, 2).transpose(1, 2)  # [D, KVH, L, d]
+    vd = _gather(v_cache, paged, meta.decode_pages).flatten(1, 2).transpose(1, 2)
     return F.scaled_dot_product_attention(
         qd, kd, vd, attn_mask=meta.decode_mask, scale=meta.scale, enable_gqa=True
     )
+
+
+def _gather(cache: torch.Tensor, paged: tuple, pages: torch.Tensor) -> torch.Tensor:
+    """cache viewed as [blocks, bs, KVH, d], the blocks of `pages` ([...] long) -> [..., bs, KVH, d].
+
+    why index_select: on cpu it copies whole blocks several times faster than advanced indexing
+    """
+    blocks = cache.view(paged)
+    return torch.index_select(blocks, 0, pages.reshape(-1)).view(*pages.shape, *blocks.shape[1:])
