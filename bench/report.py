@@ -36,6 +36,10 @@ def device_label(run: dict[str, Any]) -> str:
     return device if overlap is None else f"{device}, overlap {'on' if overlap else 'off'}"
 
 
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f} %"
+
+
 def format_run(run: dict[str, Any]) -> str:
     sim = " (sim)" if str(run.get("device") or "").startswith("sim") else ""
     idle = run.get("device_idle_fraction")
@@ -47,6 +51,7 @@ def format_run(run: dict[str, Any]) -> str:
         ("Output token throughput (tok/s)", _num(run["output_token_throughput"])),
         ("Device", device_label(run)),
         ("Device idle" + sim, "-" if idle is None else f"{100 * idle:.1f} %"),
+        ("Device idle, steady decode" + sim, _pct(run.get("steady_decode_idle_fraction"))),
     ]
     title = f" {run['target']} | {run['workload']} "
     lines = [f"{title:=^60}"]

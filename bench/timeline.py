@@ -68,6 +68,15 @@ def idle_fraction(steps: list[dict[str, Any]]) -> tuple[float | None, float, flo
     return (idle / total if total > 0 else None), busy, idle
 
 
+def steady_decode(steps: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Decode-only steps at the run's largest batch: the steady state of an all-at-once load."""
+    dec = [s for s in steps if s.get("num_tokens") and not s.get("num_prefill_tokens")]
+    if not dec:
+        return []
+    full = max(s["num_seqs"] for s in dec)
+    return [s for s in dec if s["num_seqs"] == full]
+
+
 def step_breakdown(steps: list[dict[str, Any]]) -> dict[str, float | None]:
     """Median ms per step of each stage; None for a stage no step reports."""
     out: dict[str, float | None] = {}
@@ -84,6 +93,7 @@ def timeline_summary(before: dict[str, Any] | None, after: dict[str, Any] | None
             "device": None,
             "overlap": None,
             "device_idle_fraction": None,
+            "steady_decode_idle_fraction": None,
             "step_breakdown_ms": dict.fromkeys(STAGES),
             "timeline": None,
         }
@@ -95,6 +105,7 @@ def timeline_summary(before: dict[str, Any] | None, after: dict[str, Any] | None
         "device": after.get("device"),
         "overlap": after.get("overlap"),
         "device_idle_fraction": fraction,
+        "steady_decode_idle_fraction": idle_fraction(steady_decode(steps))[0],
         "step_breakdown_ms": step_breakdown(steps),
         "timeline": {
             "num_steps": len(steps),
