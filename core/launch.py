@@ -22,6 +22,7 @@ from core.config import CONFIG_ENV, EngineConfig, encode_config
 from core.messages import ControlMessage, EngineDead, Fatal, Ready, Shutdown
 from core.metrics import MULTIPROC_ENV
 from core.process import CONTROL, CORE_IN, DETOK_IN, RUNNER_IN, frontend_socket
+from shm.names import pid_alive
 
 ENGINE_ROLES = ("gpu_runner", "core", "detokenizer")
 RUN_PREFIX = "gapless-"
@@ -39,20 +40,10 @@ def make_run_dir() -> str:
             pid = int(old.name.split("-")[1])
         except (IndexError, ValueError):
             continue
-        if not _alive(pid):
+        if not pid_alive(pid):
             shutil.rmtree(old, ignore_errors=True)
     shm.sweep_stale()  # rings a killed run could not unlink
     return tempfile.mkdtemp(prefix=f"{RUN_PREFIX}{os.getpid()}-", dir=base)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class EngineFailed(Exception):

@@ -46,7 +46,7 @@ def sweep_stale() -> list[str]:
             pid = int(name.split("-")[1])
         except (IndexError, ValueError):
             continue
-        if not _alive(pid) and _unlink(name):
+        if not pid_alive(pid) and _unlink(name):
             removed.append(name)
     return removed
 
@@ -66,7 +66,8 @@ def _unlink(name: str) -> bool:
     return True
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists (someone else's counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
