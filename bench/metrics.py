@@ -49,11 +49,22 @@ def summarize(records: Sequence[RequestRecord], duration_s: float) -> dict[str, 
     }
 
 
+MAX_SAMPLES = 5000  # per latency kind kept in the JSON; a CDF needs no more
+
+
 def samples(records: Sequence[RequestRecord]) -> dict[str, list[float]]:
-    """Per-request latencies in ms (ITL per chunk) of completed requests, for CDF plots."""
+    """Latencies in ms (ITL per chunk) of completed requests, for CDF plots: every value up to
+    MAX_SAMPLES, else evenly spaced order statistics, which keep the CDF's shape."""
     done = [r for r in records if r.ok]
-    return {
-        "ttft_ms": [round(r.ttft * 1000, 3) for r in done if r.ttft is not None],
-        "itl_ms": [round(x * 1000, 3) for r in done for x in r.itl],
-        "e2e_ms": [round(r.e2e * 1000, 3) for r in done if r.e2e is not None],
+    kinds = {
+        "ttft_ms": [r.ttft for r in done if r.ttft is not None],
+        "itl_ms": [x for r in done for x in r.itl],
+        "e2e_ms": [r.e2e for r in done if r.e2e is not None],
     }
+    out = {}
+    for key, values in kinds.items():
+        arr = np.sort(np.asarray(values, dtype=float)) * 1000
+        if len(arr) > MAX_SAMPLES:
+            arr = arr[np.linspace(0, len(arr) - 1, MAX_SAMPLES).round().astype(int)]
+        out[key] = np.round(arr, 3).tolist()
+    return out
