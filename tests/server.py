@@ -27,7 +27,18 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "core.cli", "serve", "--port", str(self.port), *args],
+            # one torch thread: the test process and the other roles share the two cores
+            [
+                sys.executable,
+                "-m",
+                "core.cli",
+                "serve",
+                "--port",
+                str(self.port),
+                "--threads",
+                "1",
+                *args,
+            ],
             cwd=ROOT,
             env=env,
             stdout=subprocess.PIPE,
