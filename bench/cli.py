@@ -203,6 +203,7 @@ def bench_targets(args: argparse.Namespace, targets: list[Target], tokenizer: st
             max_concurrency=args.max_concurrency,
             seed=args.seed,
             ignore_eos=workload.synthetic if args.ignore_eos is None else args.ignore_eos,
+            eos_token_ids=tuple(info.eos_token_ids),
             temperature=args.temperature,
             request_timeout_s=args.request_timeout,
             progress=not args.no_progress,

@@ -33,7 +33,13 @@ class RequestRecord:
 
 
 def completion_payload(
-    model: str, prompt: str, max_tokens: int, *, ignore_eos: bool, temperature: float
+    model: str,
+    prompt: str,
+    max_tokens: int,
+    *,
+    ignore_eos: bool,
+    temperature: float,
+    eos_token_ids: tuple[int, ...] = (),
 ) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": model,
@@ -45,6 +51,8 @@ def completion_payload(
     }
     if ignore_eos:
         body["ignore_eos"] = True
+        if eos_token_ids:  # why: servers without ignore_eos (OpenAI's API) honour a logit bias
+            body["logit_bias"] = {str(i): -100 for i in eos_token_ids}
     return body
 
 

@@ -21,6 +21,7 @@ class LoadSpec:
     max_concurrency: int | None = None
     seed: int = 0
     ignore_eos: bool = True
+    eos_token_ids: tuple[int, ...] = ()  # banned by logit bias too when ignoring EOS
     temperature: float = 0.0
     request_timeout_s: float = 600.0
     progress: bool = True
@@ -76,6 +77,7 @@ async def run_load(
                 req.output_len,
                 ignore_eos=spec.ignore_eos,
                 temperature=spec.temperature,
+                eos_token_ids=spec.eos_token_ids,
             )
             async with gate:
                 record = RequestRecord(req.prompt_len, req.output_len)

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Rebuilds bench/results/*.json and bench/results/*.png, the numbers in bench/RESULTS.md.
+# Usage: bash bench/results.sh [sim|cpu|all]   (run from the repository root, after `make setup`)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+G=.venv/bin/gapless
+OUT=bench/results
+mkdir -p "$OUT"
+what=${1:-all}
+
+sim_run() {  # profile overlap-flag workload num-requests
+  local profile=$1 flag=$2 wl=$3 n=$4 tag
+  tag="sim-${profile}-$([ -z "$flag" ] && echo overlap || echo no-overlap)-${wl//:/x}"
+  $G bench --launch --workload "$wl" --num-requests "$n" --no-progress \
+    --output-json "$OUT/$tag.json" -- --device sim --sim-profile "$profile" \
+    --max-num-seqs 256 --max-num-batched-tokens 8192 $flag
+}
+
+if [ "$what" = sim ] || [ "$what" = all ]; then
+  for profile in a100-llama-1.3b h100-llama3-8b; do
+    for flag in "" --no-overlap; do
+      sim_run "$profile" "$flag" 1024:64 300
+      sim_run "$profile" "$flag" 1024:1024 100
+      sim_run "$profile" "$flag" sharegpt 300
+      sim_run "$profile" "$flag" loogle 100
+    done
+  done
+fi
+
+if [ "$what" = cpu ] || [ "$what" = all ]; then
+  for wl in 1024:64 1024:1024 sharegpt loogle; do
+    n=16; [ "$wl" = 1024:1024 ] && n=4; [ "$wl" = loogle ] && n=4
+    $G bench --launch --workload "$wl" --num-requests "$n" --no-progress \
+      --output-json "$OUT/cpu-${wl//:/x}.json" -- --max-num-batched-tokens 2048
+  done
+fi
+
+.venv/bin/bench plot --from "$OUT"/*.json --plot-dir "$OUT"
