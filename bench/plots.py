@@ -26,7 +26,9 @@ COLORS = {
 
 
 def run_label(run: dict[str, Any]) -> str:
-    device = run.get("device")
+    device, overlap = run.get("device"), run.get("overlap")
+    if device and overlap is not None:
+        device += ", overlap " + ("on" if overlap else "off")
     return f"{run['target']}\n{run['workload']}" + (f"\n{device}" if device else "")
 
 

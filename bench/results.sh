@@ -35,4 +35,5 @@ if [ "$what" = cpu ] || [ "$what" = all ]; then
   done
 fi
 
-.venv/bin/bench plot --from "$OUT"/*.json --plot-dir "$OUT"
+.venv/bin/bench plot --from "$OUT"/sim-*.json --plot-dir "$OUT/sim" || true
+.venv/bin/bench plot --from "$OUT"/cpu-*.json --plot-dir "$OUT/cpu" || true
