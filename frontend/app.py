@@ -8,6 +8,7 @@ import hmac
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from typing import TypeVar
 from urllib.parse import parse_qs
 
 import msgspec
@@ -26,6 +27,7 @@ from frontend.responses import Health, ModelCard, ModelList
 from frontend.state import FrontendState
 
 log = logging.getLogger("gapless.frontend")
+T = TypeVar("T")
 
 Handler = Callable[[HttpRequest, Responder, str], Awaitable[None]]
 # answered without an API key: probes and scrapers, which operators keep on a private network
@@ -132,10 +134,7 @@ class App:
 
     async def _engine_stats(self, req: HttpRequest, out: Responder, identity: str) -> None:
         """The core's queues and KV blocks right now."""
-        try:
-            stats = await self.state.engine.get_stats(timeout_s=2.0)
-        except (EngineDeadError, TimeoutError) as e:
-            raise ApiError(503, f"engine unavailable: {e}", code="engine_unavailable") from e
+        stats = await _from_engine(self.state.engine.get_stats(timeout_s=2.0))
         await out.json(
             200,
             {
@@ -152,10 +151,7 @@ class App:
         raw = query.get("last", ["256"])[-1]
         if not raw.isdigit() or int(raw) > KEEP_STEPS:
             raise ApiError(400, f"`last` must be an integer from 0 to {KEEP_STEPS}", param="last")
-        try:
-            timeline = await self.state.engine.get_timeline(int(raw))
-        except (EngineDeadError, TimeoutError) as e:
-            raise ApiError(503, f"engine unavailable: {e}", code="engine_unavailable") from e
+        timeline = await _from_engine(self.state.engine.get_timeline(int(raw)))
         await out.json(
             200,
             {
@@ -174,6 +170,14 @@ class App:
 
     async def _openapi_json(self, req: HttpRequest, out: Responder, identity: str) -> None:
         await out.json(200, self._openapi)
+
+
+async def _from_engine(question: Awaitable[T]) -> T:
+    """The core's answer, or 503 when the engine is dead or does not answer in time."""
+    try:
+        return await question
+    except (EngineDeadError, TimeoutError) as e:
+        raise ApiError(503, f"engine unavailable: {e}", code="engine_unavailable") from e
 
 
 async def _lifespan(receive: Receive, send: Send) -> None:
