@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from core.config import EngineConfig
+from core.kv_blocks import max_useful_blocks
 from core.messages import StepPlan, StepResult, StepTiming
 from core.model_files import ModelArch, load_arch
 from gpu_runner.attention import AttentionMeta, TorchAttention
@@ -42,8 +43,8 @@ def num_kv_blocks(arch: ModelArch, config: EngineConfig, dtype: torch.dtype) -> 
     elem = torch.empty((), dtype=dtype).element_size()
     per_block = 2 * arch.num_layers * config.block_size * arch.num_kv_heads * arch.head_dim * elem
     fit = config.kv_cache_memory // per_block
-    per_seq = -(-config.model.max_model_len // config.block_size)
-    return int(min(fit, config.max_num_seqs * per_seq + 1))
+    cap = max_useful_blocks(config.max_num_seqs, config.model.max_model_len, config.block_size)
+    return int(min(fit, cap))
 
 
 def step_result(seq: int, out: SampleOutput, num_logprobs: np.ndarray) -> StepResult:

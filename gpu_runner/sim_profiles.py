@@ -18,6 +18,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from core.kv_blocks import max_useful_blocks
+
 GB = 10**9
 GIB = 2**30
 TB = 10**12
@@ -243,5 +245,4 @@ def num_kv_blocks(
     contexts need, plus the reserved block 0 (the same cap as the cpu runner)."""
     free = profile.memory_bytes * profile.memory_utilization - profile.weight_bytes_per_gpu
     fit = max(0, math.floor(free / kv_bytes_per_block(profile, block_size)))
-    per_seq = -(-max_model_len // block_size)
-    return int(min(fit, max_num_seqs * per_seq + 1))
+    return int(min(fit, max_useful_blocks(max_num_seqs, max_model_len, block_size)))
