@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml
 setup: $(VENV)/.installed
 
 model: setup
-	@$(PY) -m core.model_cache >/dev/null
+	@$(PY) -m gapless.core.common.model_cache >/dev/null
 
 serve: model
 	$(VENV)/bin/gapless serve $(ARGS)

@@ -17,10 +17,10 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from bench.loadgen import LoadSpec
-from bench.report import format_ratios, format_run, ratios
-from bench.targets import Target, normalize_url, parse_target, served_model, url_name
-from bench.workloads import is_known
+from gapless.bench.loadgen import LoadSpec
+from gapless.bench.report import format_ratios, format_run, ratios
+from gapless.bench.targets import Target, normalize_url, parse_target, served_model, url_name
+from gapless.bench.workloads import is_known
 
 JSON_SHAPE = """\
 --output-json: one run (one target, one workload) is written as a JSON object; several runs as
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["plot"]:
         args = build_plot_parser().parse_args(argv[1:])
-        from bench.figures import plot_saved
+        from gapless.bench.figures import plot_saved
 
         for path in plot_saved([Path(s) for s in args.sources], Path(args.plot_dir)):
             print(f"wrote {path}")
@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def run(args: argparse.Namespace, serve_args: list[str]) -> int:
-    from bench.launch import launched_server
+    from gapless.bench.launch import launched_server
 
     with ExitStack() as stack:
         targets = []
@@ -179,10 +179,10 @@ def run(args: argparse.Namespace, serve_args: list[str]) -> int:
 
 
 def bench_targets(args: argparse.Namespace, targets: list[Target], tokenizer: str | None) -> int:
-    from bench.prompts import PromptMaker
-    from bench.run import bench_target
-    from bench.workloads import build_workload
-    from core.model_files import load_tokenizer, resolve_model
+    from gapless.bench.prompts import PromptMaker
+    from gapless.bench.run import bench_target
+    from gapless.bench.workloads import build_workload
+    from gapless.core.common.model_files import load_tokenizer, resolve_model
 
     served = {t.name: served_model(t) for t in targets}
     limits = [s.max_model_len for s in served.values() if s.max_model_len]
@@ -224,7 +224,7 @@ def bench_targets(args: argparse.Namespace, targets: list[Target], tokenizer: st
         path.write_text(json.dumps(doc, indent=1, allow_nan=False))
         print(f"bench: wrote {path}", file=sys.stderr)
     if args.plot_dir:
-        from bench.figures import plot_runs
+        from gapless.bench.figures import plot_runs
 
         for path in plot_runs(runs, [steps_of[i] for i in range(len(runs))], Path(args.plot_dir)):
             print(f"bench: wrote {path}", file=sys.stderr)

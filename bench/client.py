@@ -9,7 +9,7 @@ from typing import Any
 
 import httpx
 
-from bench.sse import SSEDecoder
+from gapless.bench.sse import SSEDecoder
 
 
 @dataclass

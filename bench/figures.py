@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from bench.plots import plot_breakdown, plot_cdfs, plot_timeline
+from gapless.bench.plots import plot_breakdown, plot_cdfs, plot_timeline
 
 
 def slug(text: str) -> str:

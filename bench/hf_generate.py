@@ -1,4 +1,4 @@
-"""`python -m bench.hf_generate`: transformers' own generate on the default model's GGUF, the
+"""`python -m gapless.bench.hf_generate`: transformers' own generate on the default model's GGUF, the
 baseline of bench/RESULTS.md. N prompts of IN random ids, OUT new tokens each, one batch, greedy,
 EOS ignored; prints output tokens per second."""
 
@@ -9,7 +9,7 @@ import time
 import torch
 import transformers
 
-from core.model_cache import default_model_path
+from gapless.core.common.model_cache import default_model_path
 
 
 def main() -> None:

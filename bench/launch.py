@@ -25,7 +25,15 @@ def free_port() -> int:
 
 
 def serve_command(port: int, serve_args: Sequence[str]) -> list[str]:
-    return [sys.executable, "-m", "core.cli", "serve", "--port", str(port), *serve_args]
+    return [
+        sys.executable,
+        "-m",
+        "gapless.core.launch.cli",
+        "serve",
+        "--port",
+        str(port),
+        *serve_args,
+    ]
 
 
 def _tail(path: Path, num_lines: int = 60) -> str:

@@ -11,8 +11,8 @@ import httpx
 import numpy as np
 from tqdm import tqdm
 
-from bench.client import RequestRecord, completion_payload, stream_completion
-from bench.workloads import Workload
+from gapless.bench.client import RequestRecord, completion_payload, stream_completion
+from gapless.bench.workloads import Workload
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.client import RequestRecord
+from gapless.bench.client import RequestRecord
 
 PERCENTILES = (50, 90, 99)
 

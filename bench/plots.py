@@ -11,7 +11,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from bench.timeline import STAGES, window_of  # noqa: E402
+from gapless.bench.timeline import STAGES, window_of  # noqa: E402
 
 HOST_STAGES = [k for k in STAGES if k != "forward"]
 COLORS = {

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 from tokenizers import Tokenizer
 
-from bench.words import WORDS
+from gapless.bench.words import WORDS
 
 
 class PromptMaker:

@@ -5,10 +5,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from bench.loadgen import LoadSpec, run_load
-from bench.metrics import samples, summarize
-from bench.targets import Target
-from bench.timeline import (
+from gapless.bench.loadgen import LoadSpec, run_load
+from gapless.bench.metrics import samples, summarize
+from gapless.bench.targets import Target
+from gapless.bench.timeline import (
     MAX_STEPS,
     fetch_timeline,
     last_seq,
@@ -16,7 +16,7 @@ from bench.timeline import (
     timeline_summary,
     window_of,
 )
-from bench.workloads import Workload
+from gapless.bench.workloads import Workload
 
 TIMELINE_WINDOW = 40  # steps kept in the JSON for the timeline figure
 

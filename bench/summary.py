@@ -1,11 +1,11 @@
-"""`python -m bench.summary FILE...`: the markdown table of bench/RESULTS.md from saved runs."""
+"""`python -m gapless.bench.summary FILE...`: the markdown table of bench/RESULTS.md from saved runs."""
 
 from __future__ import annotations
 
 import json
 import sys
 
-from bench.report import device_label
+from gapless.bench.report import device_label
 
 HOST_STAGES = ("schedule", "prepare_inputs", "sample", "apply_result")
 

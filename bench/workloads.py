@@ -8,8 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.datasets import read_loogle, read_sharegpt
-from bench.prompts import PromptMaker
+from gapless.bench.datasets import read_loogle, read_sharegpt
+from gapless.bench.prompts import PromptMaker
 
 SHAREGPT_MEAN = (200.0, 180.0)  # synthetic mix: mean prompt and output tokens
 LOOGLE_MEAN_PROMPT, LOOGLE_MEAN_OUTPUT = 6000.0, 50.0

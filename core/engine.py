@@ -7,9 +7,9 @@ from collections import deque
 
 import zmq
 
-from core.channel import Receiver, Sender
-from core.config import EngineConfig
-from core.messages import (
+from gapless.core.common.channel import Receiver, Sender
+from gapless.core.common.config import EngineConfig
+from gapless.core.common.messages import (
     Abort,
     AddRequest,
     CoreInput,
@@ -31,8 +31,7 @@ from core.messages import (
     Timeline,
     TokenBatch,
 )
-from core.metrics import CoreMetrics
-from core.process import (
+from gapless.core.common.process import (
     CORE_IN,
     DETOK_IN,
     RUNNER_IN,
@@ -41,8 +40,9 @@ from core.process import (
     frontend_socket,
     stop_requested,
 )
-from core.scheduler import ScheduledStep, Scheduler, StepOutput
-from core.timeline import DeviceTimeline
+from gapless.core.metrics import CoreMetrics
+from gapless.core.scheduler import ScheduledStep, Scheduler, StepOutput
+from gapless.core.timeline import DeviceTimeline
 
 PROMPT_TAIL = 4  # prompt ids the detokenizer decodes in front of the first output token
 

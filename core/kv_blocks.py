@@ -5,12 +5,6 @@ from __future__ import annotations
 from collections import deque
 
 
-def max_useful_blocks(max_num_seqs: int, max_model_len: int, block_size: int) -> int:
-    """KV blocks beyond which a cache cannot be used: max_num_seqs full contexts, plus the
-    reserved block 0. Every device caps its capacity here."""
-    return max_num_seqs * -(-max_model_len // block_size) + 1
-
-
 class BlockManager:
     """Hands out KV block ids. Block 0 is reserved: padded entries on the runner write there."""
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from enum import Enum
 
-from core.messages import AddRequest, SamplingParams
+from gapless.core.common.messages import AddRequest, SamplingParams
 
 
 class Status(Enum):

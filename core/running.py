@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from core.request import Request
+from gapless.core.request import Request
 
 
 class RunningBatch:

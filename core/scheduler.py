@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from core.kv_blocks import BlockManager, SlotManager
-from core.messages import AddRequest, NewSlot, StepPlan, StepResult
-from core.request import Request, Status
-from core.running import RunningBatch
+from gapless.core.common.messages import AddRequest, NewSlot, StepPlan, StepResult
+from gapless.core.kv_blocks import BlockManager, SlotManager
+from gapless.core.request import Request, Status
+from gapless.core.running import RunningBatch
 
 _EMPTY = np.zeros(0, np.int64)
 

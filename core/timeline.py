@@ -7,10 +7,9 @@ from collections import deque
 
 import msgspec
 
-from core.config import EngineConfig
-from core.messages import StepRecord, StepResult, TimelineSummary
+from gapless.core.common.config import EngineConfig
+from gapless.core.common.messages import KEEP_STEPS, StepRecord, StepResult, TimelineSummary
 
-KEEP_STEPS = 8192
 # Chrome-trace rows (tid) of one engine
 _ROWS = {1: "device", 2: "device idle (work waiting)", 3: "runner: prepare", 4: "core: schedule",
          5: "core: apply result"}  # fmt: skip

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tokenizers import Tokenizer
 
-from core.messages import TokenBatch, TokenLogprob, TopLogprob
+from gapless.core.common.messages import TokenBatch, TokenLogprob, TopLogprob
 
 _METASPACE = "\u2581"  # sentencepiece's word-start mark
 

@@ -7,10 +7,10 @@ import time
 import zmq
 from tokenizers import Tokenizer
 
-from core import model_files
-from core.channel import Receiver, Sender
-from core.config import EngineConfig, ModelInfo
-from core.messages import (
+from gapless.core.common import model_files
+from gapless.core.common.channel import Receiver, Sender
+from gapless.core.common.config import EngineConfig, ModelInfo
+from gapless.core.common.messages import (
     Abort,
     CoreInput,
     DetokInput,
@@ -21,9 +21,15 @@ from core.messages import (
     TextDeltas,
     TokenBatch,
 )
-from core.metrics import DetokenizerMetrics
-from core.process import CORE_IN, DETOK_IN, ControlReporter, frontend_socket, stop_requested
-from detokenizer.state import DetokenizerState, Outbox
+from gapless.core.common.metrics import DetokenizerMetrics
+from gapless.core.common.process import (
+    CORE_IN,
+    DETOK_IN,
+    ControlReporter,
+    frontend_socket,
+    stop_requested,
+)
+from gapless.detokenizer.state import DetokenizerState, Outbox
 
 IDLE_POLL_MS = 100  # how long to block when idle before looking at stop_requested() again
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
-from core.messages import DetokNew, TextDelta, TokenLogprob
-from detokenizer.stop import StopMatcher
+from gapless.core.common.messages import DetokNew, TextDelta, TokenLogprob
+from gapless.detokenizer.stop import StopMatcher
 
 
 class RequestDetokenizer:

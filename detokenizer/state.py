@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from tokenizers import Tokenizer
 
-from core.messages import DetokNew, TextDelta, TokenBatch, TokenLogprob
-from detokenizer.logprobs import LogprobText, skip_tops
-from detokenizer.request import RequestDetokenizer
+from gapless.core.common.messages import DetokNew, TextDelta, TokenBatch, TokenLogprob
+from gapless.detokenizer.logprobs import LogprobText, skip_tops
+from gapless.detokenizer.request import RequestDetokenizer
 
 
 class Outbox:

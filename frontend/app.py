@@ -14,17 +14,17 @@ from urllib.parse import parse_qs
 import msgspec
 from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4
 
-from core import metrics as core_metrics
-from core.timeline import KEEP_STEPS
-from frontend import metrics
-from frontend.asgi import ClientGone, HttpRequest, Receive, Responder, Scope, Send, encoder
-from frontend.chat import handle_chat
-from frontend.completions import handle_completions
-from frontend.engine_client import EngineDeadError
-from frontend.errors import ApiError
-from frontend.openapi import openapi_document
-from frontend.responses import Health, ModelCard, ModelList
-from frontend.state import FrontendState
+from gapless.core.common import metrics as core_metrics
+from gapless.core.common.messages import KEEP_STEPS
+from gapless.frontend import metrics
+from gapless.frontend.asgi import ClientGone, HttpRequest, Receive, Responder, Scope, Send, encoder
+from gapless.frontend.chat import handle_chat
+from gapless.frontend.completions import handle_completions
+from gapless.frontend.engine_client import EngineDeadError
+from gapless.frontend.errors import ApiError
+from gapless.frontend.openapi import openapi_document
+from gapless.frontend.responses import Health, ModelCard, ModelList
+from gapless.frontend.state import FrontendState
 
 log = logging.getLogger("gapless.frontend")
 T = TypeVar("T")

@@ -8,7 +8,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from frontend.errors import ApiError
+from gapless.frontend.errors import ApiError
 
 Scope = dict[str, Any]
 Message = dict[str, Any]

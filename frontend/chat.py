@@ -7,12 +7,12 @@ import uuid
 
 import msgspec
 
-from core.config import EngineConfig
-from core.messages import TextDelta
-from frontend.asgi import HttpRequest, Responder, encoder
-from frontend.errors import bad_request, engine_unavailable, from_decode_error
-from frontend.generation import ChoiceResult, Job, respond
-from frontend.params import (
+from gapless.core.common.config import EngineConfig
+from gapless.core.common.messages import TextDelta
+from gapless.frontend.asgi import HttpRequest, Responder, encoder
+from gapless.frontend.errors import bad_request, engine_unavailable, from_decode_error
+from gapless.frontend.generation import ChoiceResult, Job, respond
+from gapless.frontend.params import (
     PRIORITY,
     check_logprobs,
     check_max_tokens,
@@ -23,8 +23,8 @@ from frontend.params import (
     sampling_params,
     tenant_of,
 )
-from frontend.protocol import ChatCompletionRequest
-from frontend.responses import (
+from gapless.frontend.protocol import ChatCompletionRequest
+from gapless.frontend.responses import (
     AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
@@ -34,7 +34,7 @@ from frontend.responses import (
     Usage,
     chat_logprobs,
 )
-from frontend.state import FrontendState
+from gapless.frontend.state import FrontendState
 
 _decoder = msgspec.json.Decoder(ChatCompletionRequest)
 

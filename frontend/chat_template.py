@@ -13,7 +13,7 @@ from typing import Any
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from frontend.errors import bad_request
+from gapless.frontend.errors import bad_request
 
 _local = threading.local()  # .deadline: time.monotonic() value past which rendering stops
 

@@ -7,11 +7,11 @@ import uuid
 
 import msgspec
 
-from core.messages import TextDelta
-from frontend.asgi import HttpRequest, Responder, encoder
-from frontend.errors import bad_request, engine_unavailable, from_decode_error
-from frontend.generation import ChoiceResult, Job, respond
-from frontend.params import (
+from gapless.core.common.messages import TextDelta
+from gapless.frontend.asgi import HttpRequest, Responder, encoder
+from gapless.frontend.errors import bad_request, engine_unavailable, from_decode_error
+from gapless.frontend.generation import ChoiceResult, Job, respond
+from gapless.frontend.params import (
     PRIORITY,
     check_logprobs,
     check_max_tokens,
@@ -22,9 +22,9 @@ from frontend.params import (
     sampling_params,
     tenant_of,
 )
-from frontend.protocol import CompletionRequest
-from frontend.responses import Completion, CompletionChoice, Usage, completion_logprobs
-from frontend.state import FrontendState
+from gapless.frontend.protocol import CompletionRequest
+from gapless.frontend.responses import Completion, CompletionChoice, Usage, completion_logprobs
+from gapless.frontend.state import FrontendState
 
 _decoder = msgspec.json.Decoder(CompletionRequest)
 

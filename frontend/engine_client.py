@@ -15,9 +15,9 @@ from collections.abc import AsyncIterator, Callable
 import zmq
 import zmq.asyncio
 
-from core.channel import AsyncReceiver, Sender
-from core.config import EngineConfig
-from core.messages import (
+from gapless.core.common.channel import AsyncReceiver, Sender
+from gapless.core.common.config import EngineConfig
+from gapless.core.common.messages import (
     Abort,
     AddRequest,
     CoreInput,
@@ -31,7 +31,7 @@ from core.messages import (
     TextDeltas,
     Timeline,
 )
-from core.process import CORE_IN, frontend_socket
+from gapless.core.common.process import CORE_IN, frontend_socket
 
 log = logging.getLogger("gapless.frontend")
 

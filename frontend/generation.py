@@ -11,12 +11,12 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from core.messages import SamplingParams, TextDelta, TokenLogprob
-from frontend import metrics
-from frontend.asgi import ClientGone, HttpRequest, Responder, unless_disconnected
-from frontend.engine_client import EngineClient, EngineDeadError
-from frontend.errors import ApiError, engine_unavailable
-from frontend.responses import Usage
+from gapless.core.common.messages import SamplingParams, TextDelta, TokenLogprob
+from gapless.frontend import metrics
+from gapless.frontend.asgi import ClientGone, HttpRequest, Responder, unless_disconnected
+from gapless.frontend.engine_client import EngineClient, EngineDeadError
+from gapless.frontend.errors import ApiError, engine_unavailable
+from gapless.frontend.responses import Usage
 
 
 @dataclass

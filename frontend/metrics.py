@@ -3,7 +3,7 @@ observer; a served frontend installs PrometheusObserver."""
 
 from __future__ import annotations
 
-from core.metrics import FrontendMetrics
+from gapless.core.common.metrics import FrontendMetrics
 
 
 class RequestObserver:

@@ -6,9 +6,15 @@ from typing import Any
 
 import msgspec
 
-from frontend.errors import ErrorResponse
-from frontend.protocol import ChatCompletionRequest, CompletionRequest
-from frontend.responses import ChatCompletion, ChatCompletionChunk, Completion, Health, ModelList
+from gapless.frontend.errors import ErrorResponse
+from gapless.frontend.protocol import ChatCompletionRequest, CompletionRequest
+from gapless.frontend.responses import (
+    ChatCompletion,
+    ChatCompletionChunk,
+    Completion,
+    Health,
+    ModelList,
+)
 
 _REF = "#/components/schemas/{name}"
 

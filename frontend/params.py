@@ -6,10 +6,10 @@ import math
 
 import msgspec
 
-from core.config import EngineConfig
-from core.messages import SamplingParams
-from frontend.errors import ApiError, bad_request
-from frontend.protocol import SamplingFields
+from gapless.core.common.config import EngineConfig
+from gapless.core.common.messages import SamplingParams
+from gapless.frontend.errors import ApiError, bad_request
+from gapless.frontend.protocol import SamplingFields
 
 PRIORITY = {"interactive": 0, "default": 1, "batch": 2}
 MAX_TENANT_CHARS = 256

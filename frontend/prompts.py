@@ -12,11 +12,11 @@ from typing import Any
 
 import tokenizers
 
-from core.config import EngineConfig
-from frontend import metrics
-from frontend.chat_template import ChatTemplate
-from frontend.errors import bad_request
-from frontend.protocol import ChatMessage
+from gapless.core.common.config import EngineConfig
+from gapless.frontend import metrics
+from gapless.frontend.chat_template import ChatTemplate
+from gapless.frontend.errors import bad_request
+from gapless.frontend.protocol import ChatMessage
 
 CompletionPrompt = str | list[int | str | list[int]]
 

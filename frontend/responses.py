@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from core.messages import TokenLogprob
+from gapless.core.common.messages import TokenLogprob
 
 
 class Usage(msgspec.Struct):

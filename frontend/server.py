@@ -15,13 +15,13 @@ import uvicorn
 import uvloop
 import zmq
 
-from core.config import EngineConfig
-from core.process import ControlReporter, stop_requested
-from frontend import metrics
-from frontend.app import App
-from frontend.engine_client import ZmqEngineClient
-from frontend.prompts import Prompter
-from frontend.state import FrontendState
+from gapless.core.common.config import EngineConfig
+from gapless.core.common.process import ControlReporter, stop_requested
+from gapless.frontend import metrics
+from gapless.frontend.app import App
+from gapless.frontend.engine_client import ZmqEngineClient
+from gapless.frontend.prompts import Prompter
+from gapless.frontend.state import FrontendState
 
 
 class _Server(uvicorn.Server):
@@ -107,7 +107,7 @@ def run_frontend(config: EngineConfig, frontend_id: int) -> None:
     (config.host, config.port), shared by every frontend through SO_REUSEPORT. Reports READY
     once listening; on SIGTERM stops accepting and drains in-flight requests for up to
     config.drain_timeout_s; FATAL if it cannot start."""
-    from core.model_files import load_tokenizer
+    from gapless.core.common.model_files import load_tokenizer
 
     ctx = zmq.Context()
     reporter = ControlReporter(ctx, config, f"frontend{frontend_id}")

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from core.config import EngineConfig
-from frontend.engine_client import EngineClient
-from frontend.prompts import Prompter
+from gapless.core.common.config import EngineConfig
+from gapless.frontend.engine_client import EngineClient
+from gapless.frontend.prompts import Prompter
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from core.messages import StepPlan, StepResult
+from gapless.core.common.messages import StepPlan, StepResult
 
 
 class Backend(Protocol):
@@ -27,15 +27,15 @@ class Backend(Protocol):
 
 def make_backend(config) -> Backend:
     if config.device == "cpu":
-        from gpu_runner.runner import ModelRunner
+        from gapless.gpu_runner.runner import ModelRunner
 
         return ModelRunner(config)
     if config.device == "sim":
-        from gpu_runner.sim import SimBackend
+        from gapless.gpu_runner.sim import SimBackend
 
         return SimBackend(config)
     if config.device == "cuda":
-        from gpu_runner.cuda import CudaBackend
+        from gapless.gpu_runner.cuda import CudaBackend
 
         return CudaBackend(config)
     raise ValueError(f"unknown device {config.device!r}")

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from core.messages import StepPlan
-from gpu_runner.attention import StepLayout
-from gpu_runner.graph import padded_size
+from gapless.core.common.messages import StepPlan
+from gapless.gpu_runner.attention import StepLayout
+from gapless.gpu_runner.graph import padded_size
 
 # columns of the token table; rows past a column's length hold stale values and are never read
 IDS = 0  # [T] fed token id, or -1: read last_token[slot] on the device

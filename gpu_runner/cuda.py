@@ -14,13 +14,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from core.config import EngineConfig
-from core.messages import StepPlan, StepResult, StepTiming
-from gpu_runner.attention import StepLayout
-from gpu_runner.batch import SLOT_MAPPING
-from gpu_runner.flashinfer_attention import FlashinferAttention, import_flashinfer
-from gpu_runner.runner import ModelRunner, step_result
-from gpu_runner.sampler import SampleOutput
+from gapless.core.common.config import EngineConfig
+from gapless.core.common.messages import StepPlan, StepResult, StepTiming
+from gapless.gpu_runner.attention import StepLayout
+from gapless.gpu_runner.batch import SLOT_MAPPING
+from gapless.gpu_runner.flashinfer_attention import FlashinferAttention, import_flashinfer
+from gapless.gpu_runner.runner import ModelRunner, step_result
+from gapless.gpu_runner.sampler import SampleOutput
 
 POLL_S = 0.0002  # a guess at the wait left when the ids are not on the host yet
 

@@ -15,8 +15,8 @@ import importlib
 import numpy as np
 import torch
 
-from core.model_files import ModelArch
-from gpu_runner.attention import StepLayout
+from gapless.core.common.model_files import ModelArch
+from gapless.gpu_runner.attention import StepLayout
 
 MISSING = "device cuda needs the [cuda] extra: pip install 'gapless[cuda]'"
 WORKSPACE_BYTES = 256 * 2**20

@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from core.model_files import ModelArch
-from gpu_runner.attention import AttentionMeta
+from gapless.core.common.model_files import ModelArch
+from gapless.gpu_runner.attention import AttentionMeta
 
 
 def rope_inv_freq(arch: ModelArch) -> torch.Tensor:  # [head_dim // 2] float32

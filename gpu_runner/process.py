@@ -8,10 +8,10 @@ from collections import deque
 
 import zmq
 
-from core.channel import Receiver, Sender
-from core.config import EngineConfig
-from core.messages import RunnerInput, RunnerOutput, RunnerReady, Shutdown, StepPlan
-from core.process import RUNNER_IN, RUNNER_OUT, ControlReporter, stop_requested
+from gapless.core.common.channel import Receiver, Sender
+from gapless.core.common.config import EngineConfig
+from gapless.core.common.messages import RunnerInput, RunnerOutput, RunnerReady, Shutdown, StepPlan
+from gapless.core.common.process import RUNNER_IN, RUNNER_OUT, ControlReporter, stop_requested
 
 IDLE_POLL_MS = 100
 
@@ -27,7 +27,7 @@ def run_gpu_runner(config: EngineConfig) -> None:
     plans: Receiver[RunnerInput] = Receiver(ctx, config.ipc(RUNNER_IN), RunnerInput)
     results: Sender[RunnerOutput] = Sender(ctx, config.ipc(RUNNER_OUT), shm=True)
     try:
-        from gpu_runner.backend import make_backend
+        from gapless.gpu_runner.backend import make_backend
 
         backend = make_backend(config)
         results.send(

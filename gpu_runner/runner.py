@@ -11,12 +11,11 @@ import time
 import numpy as np
 import torch
 
-from core.config import EngineConfig
-from core.kv_blocks import max_useful_blocks
-from core.messages import StepPlan, StepResult, StepTiming
-from core.model_files import ModelArch, load_arch
-from gpu_runner.attention import AttentionMeta, TorchAttention
-from gpu_runner.batch import (
+from gapless.core.common.config import EngineConfig, max_useful_blocks
+from gapless.core.common.messages import StepPlan, StepResult, StepTiming
+from gapless.core.common.model_files import ModelArch, load_arch
+from gapless.gpu_runner.attention import AttentionMeta, TorchAttention
+from gapless.gpu_runner.batch import (
     FED_IDS,
     FED_POSITIONS,
     FED_SLOTS,
@@ -30,10 +29,10 @@ from gpu_runner.batch import (
     PersistentBatch,
     StepInputs,
 )
-from gpu_runner.graph import DecodeGraphs, capture_sizes
-from gpu_runner.model import LlamaModel, rope_inv_freq
-from gpu_runner.sampler import SampleOutput, SamplerState
-from gpu_runner.weights import load_weights
+from gapless.gpu_runner.graph import DecodeGraphs, capture_sizes
+from gapless.gpu_runner.model import LlamaModel, rope_inv_freq
+from gapless.gpu_runner.sampler import SampleOutput, SamplerState
+from gapless.gpu_runner.weights import load_weights
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 

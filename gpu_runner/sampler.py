@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from core.messages import SamplingParams
+from gapless.core.common.messages import SamplingParams
 
 # columns of the float parameter table
 _TEMP, _TOP_P, _MIN_P, _PRES, _FREQ, _REP = range(6)

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from core.config import EngineConfig
-from core.messages import StepPlan, StepResult, StepTiming
-from core.model_files import load_tokenizer
-from gpu_runner.sim_profiles import get_profile, num_kv_blocks, step_time
+from gapless.core.common.config import EngineConfig
+from gapless.core.common.messages import StepPlan, StepResult, StepTiming
+from gapless.core.common.model_files import load_tokenizer
+from gapless.gpu_runner.sim_profiles import get_profile, num_kv_blocks, step_time
 
 
 def ordinary_token_ids(config: EngineConfig) -> np.ndarray:

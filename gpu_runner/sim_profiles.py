@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from core.kv_blocks import max_useful_blocks
+from gapless.core.common.config import max_useful_blocks
 
 GB = 10**9
 GIB = 2**30

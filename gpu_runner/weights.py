@@ -15,8 +15,8 @@ from gguf.quants import dequantize
 from safetensors import safe_open
 from tqdm import tqdm
 
-from core.config import ModelInfo
-from core.model_files import GGUFFile, GGUFTensor, ModelArch, read_gguf
+from gapless.core.common.config import ModelInfo
+from gapless.core.common.model_files import GGUFFile, GGUFTensor, ModelArch, read_gguf
 
 # GGUF tensor name (after "blk.{i}.") -> HF name (after "model.layers.{i}.")
 _GGUF_LAYER_NAMES = {

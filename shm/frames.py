@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import struct
 
-from shm.ring import ShmRing
+from gapless.shm.ring import ShmRing
 
 MARK = 0xC1
 ANNOUNCE, RECORD = 0, 1

@@ -31,7 +31,7 @@ import os
 import time
 import weakref
 
-from shm.names import SHM_DIR
+from gapless.shm.names import SHM_DIR
 
 HEADER_BYTES = 256
 MAGIC = int.from_bytes(b"gapring1", "little")

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from core.model_cache import default_model_path
+from gapless.core.common.model_cache import default_model_path
 
 
 @pytest.fixture(scope="session")
@@ -20,7 +20,7 @@ def tiny_model_dir(tmp_path_factory, default_gguf) -> Path:
     import torch
     import transformers
 
-    from core.model_files import load_tokenizer, resolve_model
+    from gapless.core.common.model_files import load_tokenizer, resolve_model
 
     info = resolve_model(str(default_gguf))
     out = tmp_path_factory.mktemp("tiny-llama")

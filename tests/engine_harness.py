@@ -8,11 +8,11 @@ from collections import deque
 
 import msgspec
 
-from core.config import EngineConfig
-from core.messages import AddRequest, SamplingParams
-from core.model_files import resolve_model
-from core.scheduler import Scheduler
-from gpu_runner.runner import ModelRunner
+from gapless.core.common.config import EngineConfig
+from gapless.core.common.messages import AddRequest, SamplingParams
+from gapless.core.common.model_files import resolve_model
+from gapless.core.scheduler import Scheduler
+from gapless.gpu_runner.runner import ModelRunner
 
 
 def make_config(model_dir, **overrides) -> EngineConfig:

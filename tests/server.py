@@ -31,7 +31,7 @@ class Server:
             [
                 sys.executable,
                 "-m",
-                "core.cli",
+                "gapless.core.launch.cli",
                 "serve",
                 "--port",
                 str(self.port),

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from bench.client import RequestRecord
-from bench.metrics import summarize
-from bench.timeline import timeline_summary
+from gapless.bench.client import RequestRecord
+from gapless.bench.metrics import summarize
+from gapless.bench.timeline import timeline_summary
 
 
 def record(ttft, itl, output_tokens, ok=True, prompt_len=10):

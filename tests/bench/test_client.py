@@ -6,10 +6,10 @@ import json
 import httpx
 import pytest
 
-from bench.client import RequestRecord, completion_payload, stream_completion
-from bench.loadgen import LoadSpec, run_load
-from bench.sse import Event, SSEDecoder
-from bench.workloads import BenchRequest, Workload
+from gapless.bench.client import RequestRecord, completion_payload, stream_completion
+from gapless.bench.loadgen import LoadSpec, run_load
+from gapless.bench.sse import Event, SSEDecoder
+from gapless.bench.workloads import BenchRequest, Workload
 from tests.bench.fake_openai import FakeOpenAI, ThreadedServer
 
 

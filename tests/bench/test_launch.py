@@ -5,7 +5,7 @@ import sys
 import httpx
 import pytest
 
-from bench.launch import launched_server, serve_command
+from gapless.bench.launch import launched_server, serve_command
 from tests.server import free_port
 
 SERVER = """
@@ -20,7 +20,7 @@ http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
 
 def test_serve_command():
     cmd = serve_command(1234, ["--model", "m"])
-    assert cmd[1:] == ["-m", "core.cli", "serve", "--port", "1234", "--model", "m"]
+    assert cmd[1:] == ["-m", "gapless.core.launch.cli", "serve", "--port", "1234", "--model", "m"]
     assert cmd[0] == sys.executable
 
 

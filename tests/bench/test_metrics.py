@@ -5,10 +5,10 @@ import math
 import numpy as np
 import pytest
 
-from bench.loadgen import arrival_offsets
-from bench.metrics import distribution, samples, summarize
-from bench.report import format_ratios, format_run, ratios
-from bench.timeline import idle_fraction, run_steps, step_breakdown, timeline_summary
+from gapless.bench.loadgen import arrival_offsets
+from gapless.bench.metrics import distribution, samples, summarize
+from gapless.bench.report import format_ratios, format_run, ratios
+from gapless.bench.timeline import idle_fraction, run_steps, step_breakdown, timeline_summary
 from tests.bench.records import record, run_doc, step
 
 

@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from bench.cli import main
-from bench.figures import load_runs, plot_runs
-from bench.timeline import timeline_summary
+from gapless.bench.cli import main
+from gapless.bench.figures import load_runs, plot_runs
+from gapless.bench.timeline import timeline_summary
 from tests.bench.records import run_doc, step
 
 PNG = b"\x89PNG\r\n\x1a\n"

@@ -7,7 +7,7 @@ import json
 import httpx
 import pytest
 
-from bench.cli import main
+from gapless.bench.cli import main
 from tests.bench.fake_openai import FakeOpenAI, ThreadedServer
 from tests.bench.test_plots import assert_png
 from tests.server import Server

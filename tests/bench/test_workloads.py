@@ -5,8 +5,8 @@ import json
 import numpy as np
 import pytest
 
-from bench.datasets import read_loogle, read_sharegpt
-from bench.workloads import build_workload, is_known, parse_fixed
+from gapless.bench.datasets import read_loogle, read_sharegpt
+from gapless.bench.workloads import build_workload, is_known, parse_fixed
 
 
 def test_parse_fixed():

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from core.messages import StepResult
+from gapless.core.common.messages import StepResult
 from tests.core.test_scheduler import make_requests, make_scheduler
 
 SIZES = [1, 32, 256]

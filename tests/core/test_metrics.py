@@ -19,10 +19,11 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 
-from core.messages import NewSlot, SamplingParams, StepPlan, StepResult, StepTiming
-from core.metrics import STAGES, CoreMetrics, DetokenizerMetrics, FrontendMetrics, render
-from core.scheduler import ScheduledStep
-from core.timeline import DeviceTimeline
+from gapless.core.common.messages import NewSlot, SamplingParams, StepPlan, StepResult, StepTiming
+from gapless.core.common.metrics import STAGES, DetokenizerMetrics, FrontendMetrics, render
+from gapless.core.metrics import CoreMetrics
+from gapless.core.scheduler import ScheduledStep
+from gapless.core.timeline import DeviceTimeline
 from tests.server import ROOT, Server
 
 PARAMS = SamplingParams(max_tokens=4)
@@ -184,7 +185,8 @@ def test_queue_gauges_and_preemptions() -> None:
 
 _WRITER = """
 import sys
-from core.metrics import CoreMetrics, FrontendMetrics
+from gapless.core.common.metrics import FrontendMetrics
+from gapless.core.metrics import CoreMetrics
 role = sys.argv[1]
 if role == "core":
     m = CoreMetrics()
@@ -205,7 +207,7 @@ def test_processes_merge_through_the_multiprocess_dir(tmp_path) -> None:
             [sys.executable, "-c", textwrap.dedent(_WRITER), role], cwd=ROOT, env=env, check=True
         )
     out = subprocess.run(
-        [sys.executable, "-c", "import sys; from core.metrics import render; "
+        [sys.executable, "-c", "import sys; from gapless.core.common.metrics import render; "
          "sys.stdout.write(render().decode())"],
         cwd=ROOT, env=env, check=True, capture_output=True, text=True,
     ).stdout  # fmt: skip

@@ -7,8 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from core.config import ModelInfo
-from core.model_files import load_arch, load_tokenizer, read_gguf, resolve_model
+from gapless.core.common.config import ModelInfo
+from gapless.core.common.model_files import load_arch, load_tokenizer, read_gguf, resolve_model
 
 TEXTS = [
     "Hello, world!",

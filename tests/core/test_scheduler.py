@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import time
 
-from core.messages import AddRequest, SamplingParams, StepResult
-from core.scheduler import ScheduledStep, Scheduler
+from gapless.core.common.messages import AddRequest, SamplingParams, StepResult
+from gapless.core.scheduler import ScheduledStep, Scheduler
 
 EOS = 2
 

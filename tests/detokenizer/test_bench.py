@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from detokenizer.state import DetokenizerState, Outbox
+from gapless.detokenizer.state import DetokenizerState, Outbox
 from tests.detokenizer.util import make_batch, make_new
 
 TEXT = "The quick brown fox jumps over the lazy dog, while 東京 sleeps under 🌙 light. " * 8

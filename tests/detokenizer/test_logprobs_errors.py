@@ -1,8 +1,8 @@
 from __future__ import annotations
 
-from core.messages import TokenLogprob, TopLogprob
-from detokenizer.logprobs import LogprobText
-from detokenizer.state import DetokenizerState
+from gapless.core.common.messages import TokenLogprob, TopLogprob
+from gapless.detokenizer.logprobs import LogprobText
+from gapless.detokenizer.state import DetokenizerState
 from tests.detokenizer.util import EOS, make_new, step
 
 

@@ -4,9 +4,9 @@ import threading
 
 import zmq
 
-from core.channel import Receiver, Sender
-from core.config import EngineConfig, ModelInfo
-from core.messages import (
+from gapless.core.common.channel import Receiver, Sender
+from gapless.core.common.config import EngineConfig, ModelInfo
+from gapless.core.common.messages import (
     ControlMessage,
     CoreInput,
     DetokInput,
@@ -16,8 +16,8 @@ from core.messages import (
     StopHit,
     TextDeltas,
 )
-from core.process import CONTROL, CORE_IN, DETOK_IN, frontend_socket
-from detokenizer import process
+from gapless.core.common.process import CONTROL, CORE_IN, DETOK_IN, frontend_socket
+from gapless.detokenizer import process
 from tests.detokenizer.util import EOS, make_batch, make_new
 
 MODEL = ModelInfo(

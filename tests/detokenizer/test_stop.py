@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from detokenizer.stop import StopMatcher
+from gapless.detokenizer.stop import StopMatcher
 
 
 def run(stops: tuple[str, ...], pieces: list[str], include: bool = False) -> tuple[list[str], bool]:

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from detokenizer.state import DetokenizerState
+from gapless.detokenizer.state import DetokenizerState
 from tests.detokenizer.util import EOS, chunks, make_new, step, stream, text_of
 
 TEXTS = [

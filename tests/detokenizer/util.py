@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from core.messages import DetokNew, SamplingParams, TextDelta, TokenBatch
-from detokenizer.state import DetokenizerState, Outbox
+from gapless.core.common.messages import DetokNew, SamplingParams, TextDelta, TokenBatch
+from gapless.detokenizer.state import DetokenizerState, Outbox
 
 EOS = 2  # <|im_end|>
 ASSISTANT_TAIL = [1, 520, 9531, 198]  # "<|im_start|>assistant\n"

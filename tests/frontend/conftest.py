@@ -10,10 +10,10 @@ import msgspec
 import pytest
 import tokenizers
 
-from core.config import EngineConfig, ModelInfo
-from frontend.app import App
-from frontend.prompts import Prompter
-from frontend.state import FrontendState
+from gapless.core.common.config import EngineConfig, ModelInfo
+from gapless.frontend.app import App
+from gapless.frontend.prompts import Prompter
+from gapless.frontend.state import FrontendState
 from tests.frontend.fake_engine import FakeEngine
 
 MODEL = "smol-test"

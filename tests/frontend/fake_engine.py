@@ -11,7 +11,7 @@ import asyncio
 
 import tokenizers
 
-from core.messages import (
+from gapless.core.common.messages import (
     Abort,
     AddRequest,
     CoreInput,
@@ -21,7 +21,7 @@ from core.messages import (
     TokenLogprob,
     TopLogprob,
 )
-from frontend.engine_client import EngineClient
+from gapless.frontend.engine_client import EngineClient
 
 
 class FakeEngine(EngineClient):

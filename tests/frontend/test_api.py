@@ -3,7 +3,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from core.messages import AddRequest
+from gapless.core.common.messages import AddRequest
 from tests.frontend.conftest import MODEL, sse_events
 from tests.frontend.fake_engine import FakeEngine
 

@@ -7,8 +7,8 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from core.channel import AsyncReceiver, Sender
-from core.messages import (
+from gapless.core.common.channel import AsyncReceiver, Sender
+from gapless.core.common.messages import (
     Abort,
     AddRequest,
     CoreInput,
@@ -20,8 +20,8 @@ from core.messages import (
     TextDelta,
     TextDeltas,
 )
-from core.process import CORE_IN, frontend_socket
-from frontend.engine_client import EngineClient, EngineDeadError, ZmqEngineClient
+from gapless.core.common.process import CORE_IN, frontend_socket
+from gapless.frontend.engine_client import EngineClient, EngineDeadError, ZmqEngineClient
 
 PARAMS = SamplingParams(max_tokens=4)
 

@@ -9,7 +9,7 @@ from typing import Any
 import httpx
 import pytest
 
-from frontend.app import App
+from gapless.frontend.app import App
 from tests.frontend.conftest import sse_events
 from tests.frontend.fake_engine import FakeEngine
 

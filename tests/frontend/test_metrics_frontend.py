@@ -9,10 +9,10 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
-from core.config import EngineConfig
-from core.metrics import FrontendMetrics
-from frontend import metrics
-from frontend.app import App
+from gapless.core.common.config import EngineConfig
+from gapless.core.common.metrics import FrontendMetrics
+from gapless.frontend import metrics
+from gapless.frontend.app import App
 from tests.frontend.conftest import MODEL, build_app, sse_events
 from tests.frontend.fake_engine import FakeEngine
 from tests.frontend.test_lifecycle import Call

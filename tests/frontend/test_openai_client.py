@@ -11,7 +11,7 @@ import openai
 import pytest
 import uvicorn
 
-from frontend.server import bind_socket
+from gapless.frontend.server import bind_socket
 from tests.frontend.conftest import MODEL, build_app
 from tests.frontend.fake_engine import FakeEngine
 

@@ -5,7 +5,7 @@ from typing import Any
 import httpx
 import pytest
 
-from frontend.asgi import HttpRequest
+from gapless.frontend.asgi import HttpRequest
 from tests.frontend.conftest import build_app
 
 pytestmark = pytest.mark.anyio

@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from core.messages import StepPlan
-from gpu_runner.attention import TorchAttention
-from gpu_runner.batch import SLOT_MAPPING, PersistentBatch
-from gpu_runner.graph import capture_sizes, padded_size
+from gapless.core.common.messages import StepPlan
+from gapless.gpu_runner.attention import TorchAttention
+from gapless.gpu_runner.batch import SLOT_MAPPING, PersistentBatch
+from gapless.gpu_runner.graph import capture_sizes, padded_size
 
 BLOCK = 16
 CONTEXT = 500  # tokens already in each slot's cache

@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
-from core.messages import SamplingParams
-from gpu_runner.runner import ModelRunner
+from gapless.core.common.messages import SamplingParams
+from gapless.gpu_runner.runner import ModelRunner
 from tests.engine_harness import Harness, make_config
 from tests.gpu_runner.test_padding import Plans
 
@@ -25,7 +25,7 @@ PROMPTS = {0: list(range(3, 40)), 1: [11, 12, 13], 2: list(range(100, 120))}
 
 
 def _cuda(tiny_model_dir, **overrides):
-    from gpu_runner.cuda import CudaBackend
+    from gapless.gpu_runner.cuda import CudaBackend
 
     config = make_config(
         tiny_model_dir, device="cuda", dtype="bfloat16", block_size=BS, max_num_seqs=8, **overrides
@@ -136,7 +136,7 @@ def test_engine_greedy_on_cuda_equals_transformers(tiny_model_dir):
 
 
 def test_missing_flashinfer_is_a_clear_error(tiny_model_dir, monkeypatch):
-    from gpu_runner.cuda import CudaBackend
+    from gapless.gpu_runner.cuda import CudaBackend
 
     monkeypatch.setitem(sys.modules, "flashinfer", None)  # import raises ImportError
     with pytest.raises(RuntimeError, match=r"pip install 'gapless\[cuda\]'"):

@@ -5,11 +5,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from core.messages import NewSlot, SamplingParams, StepPlan
-from core.model_files import ModelArch
-from gpu_runner.attention import TorchAttention
-from gpu_runner.batch import IDS, LOGIT_ROWS, POSITIONS, SLOT_MAPPING, TOK_SLOT, PersistentBatch
-from gpu_runner.model import LlamaModel
+from gapless.core.common.messages import NewSlot, SamplingParams, StepPlan
+from gapless.core.common.model_files import ModelArch
+from gapless.gpu_runner.attention import TorchAttention
+from gapless.gpu_runner.batch import (
+    IDS,
+    LOGIT_ROWS,
+    POSITIONS,
+    SLOT_MAPPING,
+    TOK_SLOT,
+    PersistentBatch,
+)
+from gapless.gpu_runner.model import LlamaModel
 
 transformers = pytest.importorskip("transformers")
 
@@ -119,7 +126,7 @@ def test_prefill_chunks_and_decodes_match_transformers(pair):
 
 
 def test_llama3_rope_scaling_matches_transformers():
-    from gpu_runner.model import rope_inv_freq
+    from gapless.gpu_runner.model import rope_inv_freq
 
     scaling = {
         "rope_type": "llama3",

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from core.messages import NewSlot, SamplingParams, StepPlan
-from gpu_runner.batch import IDS, LOGIT_ROWS, SLOT_MAPPING, PersistentBatch
-from gpu_runner.graph import capture_sizes, padded_size
-from gpu_runner.runner import ModelRunner
+from gapless.core.common.messages import NewSlot, SamplingParams, StepPlan
+from gapless.gpu_runner.batch import IDS, LOGIT_ROWS, SLOT_MAPPING, PersistentBatch
+from gapless.gpu_runner.graph import capture_sizes, padded_size
+from gapless.gpu_runner.runner import ModelRunner
 from tests.engine_harness import Harness, make_config
 
 GREEDY = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)

@@ -9,12 +9,12 @@ import msgspec
 import numpy as np
 import pytest
 
-from core.config import EngineConfig
-from core.messages import AddRequest, NewSlot, SamplingParams, StepPlan
-from core.model_files import load_tokenizer, resolve_model
-from core.scheduler import Scheduler
-from gpu_runner.sim import SimBackend
-from gpu_runner.sim_profiles import (
+from gapless.core.common.config import EngineConfig
+from gapless.core.common.messages import AddRequest, NewSlot, SamplingParams, StepPlan
+from gapless.core.common.model_files import load_tokenizer, resolve_model
+from gapless.core.scheduler import Scheduler
+from gapless.gpu_runner.sim import SimBackend
+from gapless.gpu_runner.sim_profiles import (
     GIB,
     PROFILES,
     get_profile,

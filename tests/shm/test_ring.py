@@ -12,11 +12,11 @@ import pytest
 import zmq
 import zmq.asyncio
 
-import shm
-from core.channel import AsyncReceiver, Receiver, Sender
-from core.messages import DetokInput, DetokNew, SamplingParams, Shutdown, TokenBatch
-from shm.names import SHM_DIR
-from shm.ring import RingFull, ShmRing, record_bytes
+from gapless import shm
+from gapless.core.common.channel import AsyncReceiver, Receiver, Sender
+from gapless.core.common.messages import DetokInput, DetokNew, SamplingParams, Shutdown, TokenBatch
+from gapless.shm.names import SHM_DIR
+from gapless.shm.ring import RingFull, ShmRing, record_bytes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -126,7 +126,7 @@ def test_attach_unlinks_on_next_write(run_id) -> None:
 
 PRODUCER = """
 import random, sys, time
-from shm.ring import ShmRing
+from gapless.shm.ring import ShmRing
 name, count = sys.argv[1], int(sys.argv[2])
 ring = ShmRing.create(name, 16384)
 print("ready", flush=True)
@@ -167,7 +167,7 @@ def test_two_processes_10k_messages(run_id) -> None:
 
 KILLED = """
 import sys, time
-from shm.ring import ShmRing
+from gapless.shm.ring import ShmRing
 name, mode = sys.argv[1], sys.argv[2]
 ring = ShmRing.create(name, 65536)
 print("ready", flush=True)
@@ -217,8 +217,8 @@ def test_owner_exit_without_close_unlinks(run_id) -> None:
 
 CHANNEL_KILLED = """
 import sys, zmq
-from core.channel import Sender
-from core.messages import TokenBatch
+from gapless.core.common.channel import Sender
+from gapless.core.common.messages import TokenBatch
 s = Sender(zmq.Context(), sys.argv[1], shm=True)
 s.send(TokenBatch(["a"], [1], [5], [""], [3]))
 print("sent", flush=True)

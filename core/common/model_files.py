@@ -15,8 +15,8 @@ import msgspec
 import numpy as np
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
-from core.config import ModelInfo
-from core.model_cache import default_model_path
+from gapless.core.common.config import ModelInfo
+from gapless.core.common.model_cache import default_model_path
 
 # model_type in config.json (or general.architecture in GGUF) -> our architecture name
 ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}

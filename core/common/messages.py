@@ -78,6 +78,9 @@ class GetStats(_Msg):
     token: int
 
 
+KEEP_STEPS = 8192  # steps the core's timeline keeps; GetTimeline.last is at most this
+
+
 class GetTimeline(_Msg):
     """Ask the core for its last `last` steps; it answers with Timeline to the frontend."""
 

@@ -11,9 +11,9 @@ import threading
 
 import zmq
 
-from core.channel import Sender
-from core.config import CONFIG_ENV, EngineConfig, decode_config
-from core.messages import ControlMessage, Fatal, Ready
+from gapless.core.common.channel import Sender
+from gapless.core.common.config import CONFIG_ENV, EngineConfig, decode_config
+from gapless.core.common.messages import ControlMessage, Fatal, Ready
 
 # ipc socket names inside the run directory; the receiving side binds
 CORE_IN = "core_in"  # frontends and detokenizer -> core

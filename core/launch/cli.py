@@ -7,8 +7,8 @@ import os
 import re
 import sys
 
-from core.config import EngineConfig
-from gpu_runner.sim_profiles import list_profiles
+from gapless.core.common.config import EngineConfig
+from gapless.gpu_runner.sim_profiles import list_profiles
 
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "ki": 2**10, "mi": 2**20, "gi": 2**30}
 
@@ -72,8 +72,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
-    from core.model_cache import DEFAULT_NAME
-    from core.model_files import resolve_model
+    from gapless.core.common.model_cache import DEFAULT_NAME
+    from gapless.core.common.model_files import resolve_model
 
     info = resolve_model(args.model, args.max_model_len)
     if args.served_model_name:
@@ -110,7 +110,7 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:  # the bench CLI owns its own flags
-        from bench.cli import main as bench_main
+        from gapless.bench.cli import main as bench_main
 
         bench_main(argv[1:])
         return
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     sub.add_parser("bench", help="measure a server: TTFT, throughput, device idle (bench --help)")
     args = parser.parse_args(argv)
     if args.command == "serve":
-        from core.launch import serve
+        from gapless.core.launch.supervisor import serve
 
         for name in (
             "max_num_seqs",

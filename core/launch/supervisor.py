@@ -16,13 +16,13 @@ from pathlib import Path
 import msgspec
 import zmq
 
-import shm
-from core.channel import Receiver, Sender
-from core.config import CONFIG_ENV, EngineConfig, encode_config
-from core.messages import ControlMessage, EngineDead, Fatal, Ready, Shutdown
-from core.metrics import MULTIPROC_ENV
-from core.process import CONTROL, CORE_IN, DETOK_IN, RUNNER_IN, frontend_socket
-from shm.names import pid_alive
+from gapless import shm
+from gapless.core.common.channel import Receiver, Sender
+from gapless.core.common.config import CONFIG_ENV, EngineConfig, encode_config
+from gapless.core.common.messages import ControlMessage, EngineDead, Fatal, Ready, Shutdown
+from gapless.core.common.metrics import MULTIPROC_ENV
+from gapless.core.common.process import CONTROL, CORE_IN, DETOK_IN, RUNNER_IN, frontend_socket
+from gapless.shm.names import pid_alive
 
 ENGINE_ROLES = ("gpu_runner", "core", "detokenizer")
 RUN_PREFIX = "gapless-"
@@ -70,7 +70,9 @@ class Supervisor:
         )
         name = role if not args else f"{role}{args[0]}"
         self.procs[name] = subprocess.Popen(
-            [sys.executable, "-m", "core.worker", role, *args], env=env, stdin=subprocess.DEVNULL
+            [sys.executable, "-m", "gapless.core.launch.worker", role, *args],
+            env=env,
+            stdin=subprocess.DEVNULL,
         )
 
     def wait_ready(self, names: list[str]) -> dict[str, Ready]:

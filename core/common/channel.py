@@ -16,8 +16,8 @@ from typing import Generic, TypeVar
 import msgspec
 import zmq
 
-from shm.frames import RingReader, RingWriter, is_ref
-from shm.names import ring_name, run_id_of
+from gapless.shm.frames import RingReader, RingWriter, is_ref
+from gapless.shm.names import ring_name, run_id_of
 
 T = TypeVar("T")
 

@@ -71,4 +71,10 @@ def decode_config(text: str | bytes) -> EngineConfig:
     return msgspec.json.decode(text, type=EngineConfig)
 
 
+def max_useful_blocks(max_num_seqs: int, max_model_len: int, block_size: int) -> int:
+    """KV blocks beyond which a cache cannot be used: max_num_seqs full contexts, plus the
+    reserved block 0. Every device caps its capacity here."""
+    return max_num_seqs * -(-max_model_len // block_size) + 1
+
+
 CONFIG_ENV = "GAPLESS_CONFIG"

@@ -1,4 +1,4 @@
-"""`python -m core.worker ROLE [FRONTEND_ID]`: how the supervisor starts each process."""
+"""`python -m gapless.core.launch.worker ROLE [FRONTEND_ID]`: how the supervisor starts each process."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import ctypes
 import os
 import sys
 
-from core.process import child_setup
+from gapless.core.common.process import child_setup
 
 
 def _set_name(name: str) -> None:
@@ -26,22 +26,22 @@ def main(argv: list[str]) -> None:
     if NICE.get(role):
         os.nice(NICE[role])
     if role == "core":
-        from core.engine import run_core
+        from gapless.core.engine import run_core
 
         _set_name("gapless-core")
         run_core(config)
     elif role == "gpu_runner":
-        from gpu_runner.process import run_gpu_runner
+        from gapless.gpu_runner.process import run_gpu_runner
 
         _set_name("gapless-runner")
         run_gpu_runner(config)
     elif role == "detokenizer":
-        from detokenizer.process import run_detokenizer
+        from gapless.detokenizer.process import run_detokenizer
 
         _set_name("gapless-detok")
         run_detokenizer(config)
     elif role == "frontend":
-        from frontend.server import run_frontend
+        from gapless.frontend.server import run_frontend
 
         fid = int(argv[1])
         _set_name(f"gapless-front{fid}")

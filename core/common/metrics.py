@@ -1,0 +1,104 @@
+"""Prometheus series of every process, and the /metrics rendering.
+
+Under `gapless serve` each child process has PROMETHEUS_MULTIPROC_DIR (set by the supervisor)
+before prometheus_client is imported, so every series below is an mmap file per process and a
+frontend's /metrics merges all of them. Each role creates only its own series, with
+`registry=None` in the processes; tests pass a fresh CollectorRegistry to read them back.
+"""
+
+from __future__ import annotations
+
+import os
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+STAGES = (
+    "tokenize",
+    "queue_wait",
+    "schedule",
+    "prepare_inputs",
+    "forward",
+    "sample",
+    "d2h",
+    "apply_result",
+    "detokenize",
+    "stream",
+)
+FINISH_REASONS = ("stop", "length", "abort", "error")
+# s; 10 us to 10 s, ~2.5x apart
+STAGE_BUCKETS = (
+    1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25,
+    0.5, 1.0, 2.5, 5.0, 10.0,
+)  # fmt: skip
+# s; whole requests: 1 ms to 10 min
+REQUEST_BUCKETS = (
+    1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0,
+    80.0, 160.0, 320.0, 640.0,
+)  # fmt: skip
+
+
+def stage_histogram(registry: CollectorRegistry | None) -> Histogram:
+    """`gapless_stage_duration_seconds{stage}`: one histogram, one label value per stage; every
+    process creates it and observes its own stages."""
+    return Histogram(
+        "gapless_stage_duration_seconds",
+        "Time spent in one stage of the request path",
+        ["stage"],
+        buckets=STAGE_BUCKETS,
+        registry=registry,
+    )
+
+
+def render(registry: CollectorRegistry | None = None) -> bytes:
+    """The text exposition: every process's files when multiprocess, else `registry`."""
+    if registry is None:
+        registry = CollectorRegistry()
+        if os.environ.get(MULTIPROC_ENV):
+            MultiProcessCollector(registry)
+    return generate_latest(registry)
+
+
+class DetokenizerMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.detokenize = stage_histogram(registry).labels("detokenize")
+
+
+class FrontendMetrics:
+    """One frontend's series; the multiprocess files of all frontends add up."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = registry
+        stage = stage_histogram(r)
+        self.tokenize = stage.labels("tokenize")
+        self.stream = stage.labels("stream")
+        self.ttft = Histogram(
+            "gapless_time_to_first_token_seconds",
+            "From the HTTP request's arrival to its first token reaching the frontend",
+            buckets=REQUEST_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "gapless_inter_token_latency_seconds",
+            "Gap between a choice's deltas divided by the tokens the later one carries",
+            buckets=STAGE_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "gapless_e2e_request_latency_seconds",
+            "From the HTTP request's arrival to its last delta, for requests that finished",
+            buckets=REQUEST_BUCKETS,
+            registry=r,
+        )
+        self.aborted = Counter(
+            "gapless_requests_aborted",
+            "HTTP requests whose client disconnected before the end",
+            registry=r,
+        )
+        self.rejected = Counter(
+            "gapless_requests_rejected",
+            "HTTP requests answered with a 4xx, by error code",
+            ["reason"],
+            registry=r,
+        )
