@@ -259,8 +259,6 @@ class StepRecord(msgspec.Struct, omit_defaults=True, gc=False):
     apply_ms: float
     idle_before_ms: float  # device idle between the previous step and this one, work waiting
     waiting: bool  # requests were in the engine during that gap
-    detokenize_ms: float | None = None
-    stream_ms: float | None = None
 
 
 class TimelineSummary(msgspec.Struct, gc=False):
