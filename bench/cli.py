@@ -29,8 +29,8 @@ the same workload. A run holds target, base_url, model, workload, num_requests, 
 failed, errors, duration_s, request_throughput, output_token_throughput, ttft_ms, tpot_ms,
 itl_ms, e2e_ms ({mean, p50, p90, p99} in ms), device ("cpu", "cuda", "sim:<profile>"; null
 without an engine timeline), overlap, device_idle_fraction, step_breakdown_ms (median ms per
-step of schedule, prepare_inputs, forward, sample, apply_result, detokenize, stream), timeline
-and samples (per-request latencies for CDF plots)."""
+step of schedule, prepare_inputs, forward, sample, apply_result), timeline and samples
+(per-request latencies for CDF plots)."""
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -20,8 +20,6 @@ COLORS = {
     "prepare_inputs": "#55a868",
     "sample": "#c44e52",
     "apply_result": "#8172b3",
-    "detokenize": "#937860",
-    "stream": "#da8bc3",
 }
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from gapless.bench.timeline import STAGES
+
 LATENCIES = (("TTFT", "ttft_ms"), ("TPOT", "tpot_ms"), ("ITL", "itl_ms"), ("E2E", "e2e_ms"))
 # (label, path into a run, higher is better)
 RATIO_METRICS = (
@@ -62,7 +64,8 @@ def format_run(run: dict[str, Any]) -> str:
         lines.append(
             f"{label:<20}" + "".join(f"{_num(d[p]):>10}" for p in ("mean", "p50", "p90", "p99"))
         )
-    breakdown = run.get("step_breakdown_ms") or {}
+    # why STAGES and not the run's keys: saved runs may hold stages the timeline no longer has
+    breakdown = {k: (run.get("step_breakdown_ms") or {}).get(k) for k in STAGES}
     if any(v is not None for v in breakdown.values()):
         lines.append(f"{'median per step (ms)' + sim:<40}{'':>20}")
         lines += [f"  {k:<38}{_num(v, 3):>20}" for k, v in breakdown.items()]

@@ -15,8 +15,6 @@ STAGES = {
     "forward": "forward_ms",
     "sample": "sample_ms",
     "apply_result": "apply_ms",
-    "detokenize": "detokenize_ms",
-    "stream": "stream_ms",
 }
 MAX_STEPS = 8192  # `last` asked for after a run (gapless keeps this many)
 FALLBACK_STEPS = 256  # asked for when a server refuses MAX_STEPS

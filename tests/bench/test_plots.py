@@ -5,7 +5,7 @@ import json
 import pytest
 
 from gapless.bench.cli import main
-from gapless.bench.figures import load_runs, plot_runs
+from gapless.bench.figures import load_runs, plot_runs, plot_saved
 from gapless.bench.timeline import timeline_summary
 from tests.bench.records import run_doc, step
 
@@ -23,7 +23,7 @@ def steps(n=60):
     for i in range(n):
         idle = 2.0 if i % 3 == 0 else 0.0
         t += idle / 1000
-        out.append(step(i, t, 8.0, idle, detokenize_ms=0.4))
+        out.append(step(i, t, 8.0, idle))
         t += 0.008
     return out
 
@@ -70,6 +70,18 @@ def test_bench_plot_from_saved_json(tmp_path, capsys):
     for name in ("breakdown.png", "latency_cdf.png", "timeline_gapless_8_2.png"):
         assert_png(out / name)
     assert "breakdown.png" in capsys.readouterr().out
+
+
+def test_plot_from_json_with_dropped_stages(tmp_path):
+    # runs saved before the timeline lost its detokenize and stream fields hold those keys
+    run = gapless_run()
+    run["step_breakdown_ms"].update(detokenize=None, stream=None)
+    (tmp_path / "old.json").write_text(json.dumps(run))
+    written = plot_saved([tmp_path / "old.json"], tmp_path / "out")
+    names = ["breakdown.png", "latency_cdf.png", "timeline_gapless_8_2.png"]
+    assert sorted(p.name for p in written) == names
+    for path in written:
+        assert_png(path)
 
 
 def test_cli_rejects_bad_arguments(capsys):

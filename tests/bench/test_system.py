@@ -15,7 +15,7 @@ from tests.server import Server
 pytestmark = pytest.mark.slow
 
 DISTRIBUTIONS = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
-STAGES = {"schedule", "prepare_inputs", "forward", "sample", "apply_result", "detokenize", "stream"}
+STAGES = {"schedule", "prepare_inputs", "forward", "sample", "apply_result"}
 REQUIRED = {
     "target", "workload", "num_requests", "completed", "failed", "duration_s",
     "request_throughput", "output_token_throughput", *DISTRIBUTIONS, "device",
