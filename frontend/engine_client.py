@@ -68,10 +68,6 @@ class EngineClient:
     def on_dead(self, callback: Callable[[str], None]) -> None:
         self._on_dead.append(callback)
 
-    @property
-    def num_in_flight(self) -> int:
-        return len(self._queues)
-
     def dispatch(self, msg: FrontendInput) -> None:
         match msg:
             case TextDeltas(deltas=deltas):

@@ -50,6 +50,11 @@ class FakeEngine(EngineClient):
                     if task is not None:
                         task.cancel()
 
+    @property
+    def num_in_flight(self) -> int:
+        """Requests whose deltas still have a queue in the client's bookkeeping."""
+        return len(self._queues)
+
     def die(self, reason: str = "core crashed") -> None:
         self.dispatch(EngineDead(reason))
 
