@@ -50,10 +50,6 @@ class SlotManager:
         self._free: deque[int] = deque(range(num_slots))
         self._freed_since_plan: list[int] = []
 
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
     def allocate(self) -> int:
         return self._free.popleft()
 
