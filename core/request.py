@@ -1,10 +1,16 @@
-"""A request's state as the core sees it."""
+"""A request as the core sees it, and the two checks that end one: length and stop tokens."""
 
 from __future__ import annotations
 
 from enum import Enum
+from typing import TYPE_CHECKING
+
+import numpy as np
 
 from gapless.core.common.messages import AddRequest, SamplingParams
+
+if TYPE_CHECKING:
+    from gapless.core.running import RunningBatch
 
 
 class Status(Enum):
@@ -13,59 +19,72 @@ class Status(Enum):
     FINISHED = 2
 
 
-class Request:
-    """A request's ids and identity. Its token counters are kept here only while it is not
-    running; a running request's live in core/running.py's arrays, by slot.
+def length_limit(num_prompt, max_tokens, max_model_len):
+    """Total length (prompt + output) at which a request ends by length; ints or arrays."""
+    return np.minimum(num_prompt + max_tokens, max_model_len)
 
-    num_total counts prompt tokens plus every output token that is known or that a step in
-    flight will produce (num_pending of them).
+
+def check_stop(
+    tokens: np.ndarray,
+    num_tokens: np.ndarray,
+    limit: np.ndarray,
+    ignore_eos: np.ndarray,
+    has_stop_ids: np.ndarray,
+    requests: list[Request],
+    eos: np.ndarray,
+) -> tuple[list[str], np.ndarray]:
+    """Why each row's request ends after sampling tokens[j] ("" if it goes on), and [R] bool
+    whether it ends.
+
+    All arrays are [R], one row per request: tokens its new id; num_tokens its length with that
+    id; limit its Request.limit; requests are read only for rows with stop token ids. A stop
+    token wins over length: it ends the request either way and its text is withheld.
+    """
+    stop = (tokens[:, None] == eos).any(1) & ~ignore_eos
+    for j in np.flatnonzero(has_stop_ids).tolist():  # only rows that gave stop_token_ids
+        stop[j] |= int(tokens[j]) in requests[j].params.stop_token_ids
+    length = num_tokens >= limit
+    reasons = np.where(stop, "stop_token", np.where(length, "length", "")).tolist()
+    return reasons, stop | length
+
+
+class Request:
+    """One request's identity, inputs and life. Each fact has one owner: while the request
+    holds a batch slot its output ids and counters live in the running batch's arrays
+    (core/running.py) and are read through the properties below; off a slot they live here.
+    Moving in and out of a slot moves them, so no copy goes stale.
     """
 
     __slots__ = (
         "request_id",
         "frontend_id",
         "prompt_ids",
-        "output_ids",
         "params",
         "arrival_time",
-        "tenant",
-        "priority",
+        "limit",
         "status",
-        "finish_reason",
         "slot",
         "blocks",
-        "num_blocks_sent",
-        "num_computed",
-        "num_total",
-        "num_pending",
-        "num_preemptions",
-        "first_step_time",
-        "stop_ids",
-        "prefill_end",
+        "_batch",
+        "_outputs",
+        "_pending",
     )
 
-    def __init__(self, msg: AddRequest, eos_token_ids: tuple[int, ...]) -> None:
+    def __init__(self, msg: AddRequest, batch: RunningBatch) -> None:
         self.request_id = msg.request_id
         self.frontend_id = msg.frontend_id
         self.prompt_ids = msg.prompt_token_ids
-        self.output_ids: list[int] = []
         self.params: SamplingParams = msg.params
-        self.arrival_time = msg.arrival_time
-        self.tenant = msg.tenant
-        self.priority = msg.priority
+        self.arrival_time = msg.arrival_time  # time.time() at the frontend
+        self.limit = int(
+            length_limit(len(msg.prompt_token_ids), msg.params.max_tokens, batch.max_model_len)
+        )
         self.status = Status.WAITING
-        self.finish_reason: str | None = None
-        self.slot = -1
-        self.blocks: list[int] = []
-        self.num_computed = 0
-        self.num_total = len(self.prompt_ids)
-        self.num_pending = 0  # samples in steps not yet applied
-        self.num_preemptions = 0
-        self.first_step_time: float | None = None
-        ids = set(self.params.stop_token_ids)
-        if not self.params.ignore_eos:
-            ids.update(eos_token_ids)
-        self.stop_ids = frozenset(ids)
+        self.slot = -1  # runner slot while RUNNING
+        self.blocks: list[int] = []  # KV block ids while RUNNING
+        self._batch = batch
+        self._outputs: list[int] | None = []  # None while the batch holds them
+        self._pending = 0  # samples in steps not yet applied, while off a slot
 
     @property
     def num_prompt(self) -> int:
@@ -75,11 +94,51 @@ class Request:
     def finished(self) -> bool:
         return self.status is Status.FINISHED
 
+    @property
+    def output_ids(self) -> list[int]:
+        if self._outputs is None:
+            return self._batch.output_ids(self.slot)
+        return self._outputs
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens that steps in flight will sample for this request."""
+        if self._outputs is None:
+            return int(self._batch.pending[self.slot])
+        return self._pending
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt, known outputs and pending samples: what a recompute must cover."""
+        return self.num_prompt + len(self.output_ids) + self.num_pending
+
     def known_tokens(self, start: int, end: int) -> list[int]:
         """Prompt and output ids in [start, end): what a (re)prefill chunk feeds."""
         p = len(self.prompt_ids)
         if end <= p:
             return self.prompt_ids[start:end]
-        return (self.prompt_ids[start:] if start < p else []) + self.output_ids[
-            max(0, start - p) : end - p
-        ]
+        outputs = self.output_ids
+        return (self.prompt_ids[start:] if start < p else []) + outputs[max(0, start - p) : end - p]
+
+    # moving between a slot and the queue: called by RunningBatch only
+
+    def take_off_slot_state(self) -> tuple[list[int], int]:
+        outputs, pending = self._outputs, self._pending
+        assert outputs is not None, f"{self.request_id} already holds a slot"
+        self._outputs, self._pending = None, 0
+        return outputs, pending
+
+    def put_off_slot_state(self, outputs: list[int], pending: int) -> None:
+        assert self._outputs is None, f"{self.request_id} holds no slot"
+        self._outputs, self._pending = outputs, pending
+
+    def apply_off_slot(self, token: int) -> None:
+        """A step in flight sampled for this request after it left its slot (preempted)."""
+        assert self._outputs is not None and self._pending > 0
+        self._pending -= 1
+        self._outputs.append(token)
+
+    def drop_off_slot(self) -> None:
+        """The one extra token of a request that already ended: dropped."""
+        assert self._outputs is not None and self._pending > 0
+        self._pending -= 1

@@ -1,9 +1,8 @@
-"""Counters of running requests as arrays indexed by runner slot, so that planning a decode
-step and applying its ids are array operations over the batch instead of per-request Python.
+"""Running requests' ids and counters as arrays indexed by runner slot, so that planning a
+decode step and applying its ids are array operations over the batch.
 
-While a request holds a slot these arrays are the truth; its Request object keeps the ids of
-its prompt and of the outputs known when it was admitted. Leaving the slot (finish or
-preemption) copies the counters back to the Request.
+While a request holds a slot these arrays are the only copy of its output ids and counters
+(its Request reads them from here); admit moves them in, release moves them back.
 """
 
 from __future__ import annotations
@@ -23,8 +22,7 @@ class RunningBatch:
         self.pending = np.zeros(s, np.int64)  # samples in steps not yet applied
         self.computed = np.zeros(s, np.int64)  # tokens whose KV a sent step writes
         self.prefill_end = np.zeros(s, np.int64)  # positions from here on were sampled here
-        self.limit = np.zeros(s, np.int64)  # total length at which sampling stops
-        self.max_tokens = np.zeros(s, np.int64)
+        self.limit = np.zeros(s, np.int64)  # Request.limit: length at which sampling stops
         self.num_blocks = np.zeros(s, np.int64)
         self.num_sent = np.zeros(s, np.int64)  # blocks the runner already knows
         self.ignore_eos = np.zeros(s, bool)
@@ -33,37 +31,45 @@ class RunningBatch:
         self.out = np.zeros((s, max_model_len), np.int64)  # [slot, output index] ids
         self.max_model_len = max_model_len
 
-    def total(self, slots: np.ndarray) -> np.ndarray:
+    def num_tokens(self, slots: np.ndarray) -> np.ndarray:
         """Prompt plus known and pending outputs."""
         return self.prompt_len[slots] + self.out_len[slots] + self.pending[slots]
 
+    def output_ids(self, slot: int) -> list[int]:
+        return self.out[slot, : self.out_len[slot]].tolist()
+
     def admit(self, req: Request, slot: int) -> None:
+        outputs, pending = req.take_off_slot_state()
+        assert pending == 0, "a request with samples in flight cannot take a slot"
         self.req[slot] = req
+        req.slot = slot
         self.epoch[slot] += 1
-        p, outs = req.num_prompt, req.output_ids
+        p, n = req.num_prompt, len(outputs)
         self.prompt_len[slot] = p
-        self.out_len[slot] = len(outs)
-        self.out[slot, : len(outs)] = outs
+        self.out_len[slot] = n
+        self.out[slot, :n] = outputs
         self.pending[slot] = 0
         self.computed[slot] = 0
-        self.prefill_end[slot] = p + len(outs)
-        self.limit[slot] = min(p + req.params.max_tokens, self.max_model_len)
-        self.max_tokens[slot] = req.params.max_tokens
+        self.prefill_end[slot] = p + n
+        self.limit[slot] = req.limit
         self.num_blocks[slot] = 0
         self.num_sent[slot] = 0
         self.ignore_eos[slot] = req.params.ignore_eos
         self.has_stop_ids[slot] = bool(req.params.stop_token_ids)
         self.wants_logprobs[slot] = req.params.logprobs is not None
 
+    def append(self, slots: np.ndarray, tokens: np.ndarray) -> None:
+        """One sampled id for each slot's request: [R] slots, [R] ids."""
+        self.pending[slots] -= 1
+        self.out[slots, self.out_len[slots]] = tokens
+        self.out_len[slots] += 1
+
     def release(self, slot: int) -> Request:
-        """The request leaves its slot; its counters go back to the Request."""
+        """The request leaves its slot; its ids and pending count go back to the Request."""
         req = self.req[slot]
         assert req is not None, f"slot {slot} released twice"
-        n = int(self.out_len[slot])
-        req.output_ids = self.out[slot, :n].tolist()
-        req.num_pending = int(self.pending[slot])
-        req.num_total = req.num_prompt + n + req.num_pending
-        req.num_computed = 0
+        req.put_off_slot_state(self.output_ids(slot), int(self.pending[slot]))
+        req.slot = -1
         self.req[slot] = None
         self.epoch[slot] += 1
         return req

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gapless.core.common.messages import AddRequest, NewSlot, StepPlan, StepResult
+from gapless.core.common.messages import AddRequest, NewSlot, SampleLogprobs, StepPlan, StepResult
 from gapless.core.kv_blocks import BlockManager, SlotManager
-from gapless.core.request import Request, Status
+from gapless.core.request import Request, Status, check_stop
 from gapless.core.running import RunningBatch
 
 _EMPTY = np.zeros(0, np.int64)
@@ -36,12 +36,13 @@ class ScheduledStep:
 
 @dataclass
 class StepOutput:
-    """What a step's result means for the detokenizer: one token per live sampled request."""
+    """What a step's result means for the detokenizer: one token per request still live when
+    its id arrived, the reason it ended ("" if it goes on), and its logprobs."""
 
     requests: list[Request] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
-    finish_reasons: list[str] = field(default_factory=list)
-    logprob_rows: list[int] = field(default_factory=list)  # result rows of requests asking logprobs
+    end_reasons: list[str] = field(default_factory=list)
+    logprobs: list[SampleLogprobs | None] = field(default_factory=list)  # empty: none asked
 
 
 class Scheduler:
@@ -61,7 +62,6 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
-        self.eos_token_ids = eos_token_ids
         self._eos = np.asarray(eos_token_ids, np.int64)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order; the newest is preempted first
@@ -73,7 +73,7 @@ class Scheduler:
     # ------------------------------------------------------------------ requests in and out
 
     def add_request(self, msg: AddRequest) -> Request:
-        req = Request(msg, self.eos_token_ids)
+        req = Request(msg, self.rb)
         assert req.request_id not in self.requests, f"duplicate request id {req.request_id}"
         self.requests[req.request_id] = req
         self.waiting.append(req)
@@ -83,10 +83,9 @@ class Scheduler:
         """Why a request could never run on this engine, or None."""
         if req.num_prompt >= self.max_model_len:
             return f"the prompt has {req.num_prompt} tokens; the context holds {self.max_model_len}"
-        need = min(req.num_prompt + req.params.max_tokens, self.max_model_len)
-        if self.blocks.blocks_for(need) > self.blocks.num_usable:
+        if self.blocks.blocks_for(req.limit) > self.blocks.num_usable:
             return (
-                f"the request needs {need} tokens of KV cache but the engine holds "
+                f"the request needs {req.limit} tokens of KV cache but the engine holds "
                 f"{self.blocks.num_usable * self.blocks.block_size}"
             )
         return None
@@ -100,7 +99,6 @@ class Scheduler:
         else:
             self.waiting.remove(req)
         req.status = Status.FINISHED
-        req.finish_reason = reason
         if req.num_pending == 0:
             del self.requests[req.request_id]
         return True
@@ -109,18 +107,17 @@ class Scheduler:
         """Free a running request's KV and slot; it recomputes later, first in line."""
         self._leave_slot(req)
         req.status = Status.WAITING
-        req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
     def _leave_slot(self, req: Request) -> None:
         self.running.remove(req)
         self._run_slots = None
-        self.rb.release(req.slot)
+        slot = req.slot
+        self.rb.release(slot)
         self.blocks.free(req.blocks)
         req.blocks = []
-        self.slots.free(req.slot)
-        req.slot = -1
+        self.slots.free(slot)
 
     @property
     def has_work(self) -> bool:
@@ -152,7 +149,7 @@ class Scheduler:
         rb, bs = self.rb, self.blocks.block_size
         while self.running:
             rs = self._running_slots()
-            total, comp = rb.total(rs), rb.computed[rs]
+            total, comp = rb.num_tokens(rs), rb.computed[rs]
             need = total - comp
             # a request whose last allowed sample is in flight feeds nothing until it finishes
             need[(need == 1) & (total >= rb.limit[rs])] = 0
@@ -181,15 +178,14 @@ class Scheduler:
             if req.num_pending:
                 skipped.append(self.waiting.popleft())
                 continue
-            n = min(req.num_total, budget)
+            n = min(req.num_tokens, budget)
             nb = self.blocks.blocks_for(n)
             if not self.blocks.can_allocate(nb):
                 break
             self.waiting.popleft()
             req.status = Status.RUNNING
-            req.slot = self.slots.allocate()
+            self.rb.admit(req, self.slots.allocate())
             req.blocks = self.blocks.allocate(nb)
-            self.rb.admit(req, req.slot)
             self.rb.num_blocks[req.slot] = nb
             self.running.append(req)
             self._run_slots = None
@@ -205,7 +201,7 @@ class Scheduler:
     def _build(self, slots, take, new_slots, freed) -> ScheduledStep:
         rb = self.rb
         start = rb.computed[slots]
-        sample = start + take == rb.total(slots)
+        sample = start + take == rb.num_tokens(slots)
         has_tokens = start < rb.prefill_end[slots]
         token_ids: list[int] = []
         for j in np.flatnonzero(has_tokens):  # prompt chunks and recomputes: a few per step
@@ -247,7 +243,7 @@ class Scheduler:
     # ------------------------------------------------------------------ results
 
     def update_from_output(self, step: ScheduledStep, result: StepResult) -> StepOutput:
-        """Append sampled ids, check token stops for the whole batch, finish what ended."""
+        """Append sampled ids, check stops and length for the whole batch, finish what ended."""
         assert result.seq == step.plan.seq, f"result {result.seq} for plan {step.plan.seq}"
         rb, out = self.rb, StepOutput()
         tokens = np.asarray(result.token_ids, np.int64)
@@ -255,45 +251,60 @@ class Scheduler:
         live = rb.epoch[slots] == step.sample_epochs  # still the same request in that slot
         rows = np.flatnonzero(live)
         s, t = slots[rows], tokens[rows]
-        rb.pending[s] -= 1
-        rb.out[s, rb.out_len[s]] = t
-        rb.out_len[s] += 1
-        stop = (t[:, None] == self._eos).any(1) & ~rb.ignore_eos[s]
-        for j in np.flatnonzero(rb.has_stop_ids[s]):
-            stop[j] |= int(t[j]) in step.sampled[rows[j]].params.stop_token_ids
-        length = (rb.out_len[s] >= rb.max_tokens[s]) | (
-            rb.prompt_len[s] + rb.out_len[s] >= self.max_model_len
+        rb.append(s, t)
+        requests = [step.sampled[j] for j in rows.tolist()]
+        has_stop_ids = rb.has_stop_ids[s]
+        reasons, ended = check_stop(
+            t,
+            rb.prompt_len[s] + rb.out_len[s],
+            rb.limit[s],
+            rb.ignore_eos[s],
+            has_stop_ids,
+            requests if has_stop_ids.any() else [],
+            self._eos,
         )
-        reasons = np.where(stop, "stop", np.where(length, "length", "")).tolist()
-        out.requests = [step.sampled[j] for j in rows.tolist()]
-        out.token_ids = t.tolist()
-        out.finish_reasons = reasons
-        for j in np.flatnonzero(stop | length):
-            self.finish(out.requests[j], reasons[j])
-        out.logprob_rows = rows[rb.wants_logprobs[s]].tolist()
-        for row in np.flatnonzero(~live).tolist():  # preempted or finished since planning
-            self._apply_moved(step.sampled[row], int(tokens[row]), row, out)
+        if len(rows) < len(slots):  # preempted or finished since planning: a few rows
+            moved = self._apply_moved(step, np.flatnonzero(~live), tokens)
+            moved_requests = [step.sampled[j] for j in moved.tolist()]
+            moved_reasons, moved_ended = self._check_moved(moved_requests, tokens[moved])
+            reasons += moved_reasons
+            ended = np.concatenate([ended, moved_ended])
+            rows = np.concatenate([rows, moved])
+            requests += moved_requests
+            t = tokens[rows]
+        out.requests, out.token_ids, out.end_reasons = requests, t.tolist(), reasons
+        if result.logprobs:
+            out.logprobs = [result.logprobs[j] for j in rows.tolist()]
+        for j in np.flatnonzero(ended).tolist():
+            self.finish(requests[j], reasons[j])
         return out
 
-    def _apply_moved(self, req: Request, tok: int, row: int, out: StepOutput) -> None:
-        req.num_pending -= 1
-        if req.finished:
-            # the one extra token of a request that ended a step earlier: dropped
-            if req.num_pending == 0:
-                self.requests.pop(req.request_id, None)
-            return
-        req.output_ids.append(tok)  # preempted: the id is valid, its recompute will feed it
-        n = len(req.output_ids)
-        if tok in req.stop_ids:
-            reason = "stop"
-        elif n >= req.params.max_tokens or req.num_prompt + n >= self.max_model_len:
-            reason = "length"
-        else:
-            reason = ""
-        if reason:
-            self.finish(req, reason)
-        out.requests.append(req)
-        out.token_ids.append(tok)
-        out.finish_reasons.append(reason)
-        if req.params.logprobs is not None:
-            out.logprob_rows.append(row)
+    def _apply_moved(self, step: ScheduledStep, rows: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        """Rows whose request left its slot since planning. A finished one's extra token is
+        dropped; a preempted one keeps it (its recompute will feed it). Returns kept rows."""
+        kept = []
+        for j in rows.tolist():
+            req = step.sampled[j]
+            if req.finished:
+                req.drop_off_slot()
+                if req.num_pending == 0:
+                    del self.requests[req.request_id]
+            else:
+                req.apply_off_slot(int(tokens[j]))
+                kept.append(j)
+        return np.asarray(kept, np.int64)
+
+    def _check_moved(
+        self, requests: list[Request], tokens: np.ndarray
+    ) -> tuple[list[str], np.ndarray]:
+        """check_stop over requests off their slots, from their own counters."""
+        params = [r.params for r in requests]
+        return check_stop(
+            tokens,
+            np.asarray([r.num_prompt + len(r.output_ids) for r in requests], np.int64),
+            np.asarray([r.limit for r in requests], np.int64),
+            np.asarray([p.ignore_eos for p in params], bool),
+            np.asarray([bool(p.stop_token_ids) for p in params], bool),
+            requests,
+            self._eos,
+        )

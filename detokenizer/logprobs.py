@@ -1,10 +1,11 @@
-"""Readable text of single tokens and the per-token logprob entries of a TokenBatch."""
+"""Readable text of single tokens, and a request's TokenLogprob entries from its tokens'
+SampleLogprobs."""
 
 from __future__ import annotations
 
 from tokenizers import Tokenizer
 
-from gapless.core.common.messages import TokenBatch, TokenLogprob, TopLogprob
+from gapless.core.common.messages import SampleLogprobs, TokenLogprob, TopLogprob
 
 _METASPACE = "\u2581"  # sentencepiece's word-start mark
 
@@ -29,24 +30,16 @@ class LogprobText:
         return text
 
     def build(
-        self, batch: TokenBatch, ids: list[int], lp_pos: int, top_pos: int, k: int
+        self, ids: list[int], logprobs: list[SampleLogprobs | None], k: int
     ) -> list[TokenLogprob]:
-        """Entries for ids, whose logprobs start at batch.logprobs[lp_pos] and whose top lists
-        start at batch.top_ids[top_pos]; keeps at most k top entries per token."""
+        """Entries for ids, logprobs[j] being ids[j]'s; keeps at most k top entries per token."""
         out: list[TokenLogprob] = []
         text = self.token_text
-        top_ids, top_lps = batch.top_ids, batch.top_logprobs
-        for j, token_id in enumerate(ids):
-            n_top = batch.top_counts[lp_pos + j]
+        for token_id, lp in zip(ids, logprobs, strict=True):
+            assert lp is not None, "a request that asked for logprobs got a token without them"
             top = [
-                TopLogprob(text(top_ids[t]), top_lps[t], top_ids[t])
-                for t in range(top_pos, top_pos + min(n_top, k))
+                TopLogprob(text(t), v, t)
+                for t, v in zip(lp.top_ids[:k], lp.top_logprobs[:k], strict=True)
             ]
-            out.append(TokenLogprob(text(token_id), batch.logprobs[lp_pos + j], token_id, top))
-            top_pos += n_top
+            out.append(TokenLogprob(text(token_id), lp.logprob, token_id, top))
         return out
-
-
-def skip_tops(batch: TokenBatch, num_tokens: int, lp_pos: int, top_pos: int) -> int:
-    """The top position after num_tokens tokens whose entries nobody needs."""
-    return top_pos + sum(batch.top_counts[lp_pos : lp_pos + num_tokens])

@@ -1,4 +1,4 @@
-"""Entry of the detokenizer process: TokenBatch in, TextDeltas out, StopHit back to the core."""
+"""Entry of the detokenizer process: TokenBatch in, TextDeltas out, StreamEnded to the core."""
 
 from __future__ import annotations
 
@@ -11,13 +11,12 @@ from gapless.core.common import model_files
 from gapless.core.common.channel import Receiver, Sender
 from gapless.core.common.config import EngineConfig, ModelInfo
 from gapless.core.common.messages import (
-    Abort,
     CoreInput,
     DetokInput,
     DetokNew,
     FrontendInput,
     Shutdown,
-    StopHit,
+    StreamEnded,
     TextDeltas,
     TokenBatch,
 )
@@ -43,7 +42,7 @@ def run_detokenizer(config: EngineConfig) -> None:
 
     Binds DETOK_IN, connects to every frontend's socket and to CORE_IN, reports READY, then per
     pass: block (up to IDLE_POLL_MS) for a first message, drain the rest, process them in order,
-    and send one TextDeltas per frontend that has deltas, then StopHit / Abort to the core.
+    and send one TextDeltas per frontend that has deltas, then StreamEnded to the core.
     """
     ctx = zmq.Context()
     reporter = ControlReporter(ctx, config, "detokenizer")
@@ -97,7 +96,7 @@ def _serve(ctx: zmq.Context, config: EngineConfig, reporter: ControlReporter) ->
 def _publish(out: Outbox, frontends: list[Sender[FrontendInput]], core: Sender[CoreInput]) -> None:
     for frontend_id, deltas in out.deltas.items():
         frontends[frontend_id].send(TextDeltas(deltas))
-    for request_id in out.stop_hits:
-        core.send(StopHit(request_id))
+    if out.stop_hits:
+        core.send(StreamEnded(out.stop_hits, "stop"))
     if out.failed:
-        core.send(Abort(out.failed))
+        core.send(StreamEnded(out.failed, "error"))

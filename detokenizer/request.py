@@ -10,8 +10,8 @@ from gapless.detokenizer.stop import StopMatcher
 
 
 class RequestDetokenizer:
-    """Turns a request's tokens into TextDeltas. After the final delta (`is_done`), later tokens
-    are ignored: the core may still send a step or two of them after a stop string."""
+    """Turns a request's tokens into TextDeltas until its stream ends (`is_done`): the state
+    forgets it then (docs/architecture.md, "A request's end")."""
 
     __slots__ = (
         "request_id",
@@ -22,6 +22,7 @@ class RequestDetokenizer:
         "stop_hit",
         "_tokenizer",
         "_skip_special",
+        "_include_stop",
         "_stream",
         "_stop",
         "_undecoded",
@@ -38,6 +39,7 @@ class RequestDetokenizer:
         self.stop_hit = False  # a stop string ended the request; the core must be told
         self._tokenizer = tokenizer
         self._skip_special = params.skip_special_tokens
+        self._include_stop = params.include_stop_str_in_output
         # the prompt tail is context only: the first output token decodes as it would in place
         self._stream = DecodeStream(new.prompt_tail, params.skip_special_tokens)
         stops = tuple(s for s in params.stop if s)
@@ -48,16 +50,18 @@ class RequestDetokenizer:
     def step(
         self,
         ids: list[int],
-        finish: str,
+        end: str,
         num_prompt_tokens: int,
         logprobs: list[TokenLogprob] | None,
         error: str = "",
     ) -> TextDelta | None:
-        """One step's tokens; finish is "" while running, else the core's finish reason."""
-        if self.is_done:
+        """One step's tokens; end is "" while running, else the core's EndReason."""
+        if end == "abort":  # the client is gone: nothing to send
+            self.is_done = True
             return None
-        # the token that made the core stop (EOS, a stop token id) has no text in the output
-        num_text = len(ids) - 1 if finish == "stop" else len(ids)
+        num_text = len(ids)
+        if end == "stop_token" and not self._include_stop:
+            num_text -= 1  # the EOS or stop token id that ended it: its text is withheld
         text, used = self._decode(ids, num_text)
         if used < len(ids):  # a stop string completed before the step's last token
             ids = ids[:used]
@@ -67,9 +71,9 @@ class RequestDetokenizer:
         reason: str | None = None
         if self.stop_hit:
             reason = "stop"
-        elif finish:
+        elif end:
             text += self._flush()
-            reason = "stop" if self.stop_hit else finish
+            reason = "stop" if self.stop_hit or end == "stop_token" else end
         if reason is None and not text and logprobs is None:
             self._unsent.extend(ids)
             return None

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from tokenizers import Tokenizer
 
-from gapless.core.common.messages import DetokNew, TextDelta, TokenBatch, TokenLogprob
-from gapless.detokenizer.logprobs import LogprobText, skip_tops
+from gapless.core.common.messages import DetokNew, TextDelta, TokenBatch
+from gapless.detokenizer.logprobs import LogprobText
 from gapless.detokenizer.request import RequestDetokenizer
 
 
@@ -16,8 +16,8 @@ class Outbox:
 
     def __init__(self) -> None:
         self.deltas: dict[int, list[TextDelta]] = {}  # frontend id -> deltas in arrival order
-        self.stop_hits: list[str] = []  # stop strings found: the core finishes these requests
-        self.failed: list[str] = []  # ended here with an error: the core aborts these
+        self.stop_hits: list[str] = []  # stop strings ended these streams: the core ends them
+        self.failed: list[str] = []  # ended here with an error: the core ends them
 
     def __bool__(self) -> bool:
         return bool(self.deltas or self.stop_hits or self.failed)
@@ -26,16 +26,17 @@ class Outbox:
 class DetokenizerState:
     """Pure logic of the detokenizer process, with no sockets.
 
-    A request lives from its DetokNew until the core sends it a finish reason, even when a stop
-    string or an error ended it earlier: its later tokens (and their logprob entries, which
-    shift the flat arrays) must still be recognised and skipped.
+    A request lives from its DetokNew until its stream ends: by the core's end reason, a stop
+    string or an error. Tokens the core still sends for it afterwards (steps already in flight)
+    belong to no live request and are skipped; each token's logprobs travel beside it, so
+    skipping shifts nothing.
     """
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self._tokenizer = tokenizer
         self._requests: dict[str, RequestDetokenizer] = {}
         self._logprobs = LogprobText(tokenizer)
-        self.num_unknown = 0  # batch entries for requests never registered (and skipped)
+        self.num_unknown = 0  # batch entries for requests not (or no longer) live: skipped
 
     @property
     def num_requests(self) -> int:
@@ -48,44 +49,38 @@ class DetokenizerState:
 
     def process(self, batch: TokenBatch, out: Outbox) -> None:
         requests = self._requests
-        token_ids, counts = batch.token_ids, batch.counts
-        finishes, errors = batch.finish_reasons, batch.errors
-        pos = lp_pos = top_pos = 0  # into token_ids, logprobs / top_counts, top_ids
+        token_ids, counts, logprobs = batch.token_ids, batch.counts, batch.logprobs
+        ends, errors = batch.finish_reasons, batch.errors
+        pos = 0  # into token_ids and logprobs
         for i, request_id in enumerate(batch.request_ids):
             n = counts[i]
             ids = token_ids[pos : pos + n]
+            lps = logprobs[pos : pos + n] if logprobs else None
             pos += n
-            finish = finishes[i]
             req = requests.get(request_id)
             if req is None:
                 self.num_unknown += 1
                 continue
-            if finish:
-                del requests[request_id]
-            logprobs: list[TokenLogprob] | None = None
+            end = ends[i]
             try:
-                if req.num_top is not None:
-                    lp_start, lp_pos = lp_pos, lp_pos + n
-                    top_start, top_pos = top_pos, skip_tops(batch, n, lp_start, top_pos)
-                    if not req.is_done:
-                        logprobs = self._logprobs.build(
-                            batch, ids, lp_start, top_start, req.num_top
-                        )
+                token_lps = None
+                if req.num_top is not None and lps is not None:
+                    token_lps = self._logprobs.build(ids, lps, req.num_top)
                 error = errors[i] if errors else ""
-                delta = req.step(ids, finish, batch.num_prompt_tokens[i], logprobs, error)
+                delta = req.step(ids, end, batch.num_prompt_tokens[i], token_lps, error)
             except Exception as e:  # one request's failure must not end the others
-                if req.is_done:
-                    continue
                 delta = req.fail(
                     f"detokenizer: {type(e).__name__}: {e}", batch.num_prompt_tokens[i]
                 )
-                if not finish:
+                if not end:
                     out.failed.append(request_id)
+            if req.is_done:
+                del requests[request_id]
+                if req.stop_hit and not end:
+                    out.stop_hits.append(request_id)
             if delta is None:
                 continue
             box = out.deltas.get(req.frontend_id)
             if box is None:
                 box = out.deltas[req.frontend_id] = []
             box.append(delta)
-            if req.stop_hit and not finish:
-                out.stop_hits.append(request_id)

@@ -133,7 +133,7 @@ class CudaBackend(ModelRunner):
     def collect(self, handle: Launched) -> StepResult:
         handle.done.synchronize()
         if handle.host is None:
-            result = StepResult(handle.seq, [], [], [], [], [])
+            result = StepResult(handle.seq, [])
         else:
             result = step_result(handle.seq, handle.host, handle.num_logprobs)
         handle.device = None

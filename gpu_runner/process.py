@@ -30,9 +30,7 @@ def run_gpu_runner(config: EngineConfig) -> None:
         from gapless.gpu_runner.backend import make_backend
 
         backend = make_backend(config)
-        results.send(
-            RunnerReady(num_kv_blocks=backend.num_blocks, max_num_seqs=config.max_num_seqs)
-        )
+        results.send(RunnerReady(num_kv_blocks=backend.num_blocks))
         control.ready(num_kv_blocks=backend.num_blocks)
         inflight: deque = deque()
         while not stop_requested():

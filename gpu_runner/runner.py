@@ -30,6 +30,7 @@ from gapless.gpu_runner.batch import (
     StepInputs,
 )
 from gapless.gpu_runner.graph import DecodeGraphs, capture_sizes
+from gapless.gpu_runner.logprobs import row_logprobs
 from gapless.gpu_runner.model import LlamaModel, rope_inv_freq
 from gapless.gpu_runner.sampler import SampleOutput, SamplerState
 from gapless.gpu_runner.weights import load_weights
@@ -48,23 +49,9 @@ def num_kv_blocks(arch: ModelArch, config: EngineConfig, dtype: torch.dtype) -> 
 
 def step_result(seq: int, out: SampleOutput, num_logprobs: np.ndarray) -> StepResult:
     """out holds host tensors; num_logprobs [B_s] is each sampled row's ask (-1: none)."""
-    result = StepResult(
-        seq=seq,
-        token_ids=out.token_ids.tolist(),
-        logprobs=[],
-        top_counts=[],
-        top_ids=[],
-        top_logprobs=[],
-    )
+    result = StepResult(seq=seq, token_ids=out.token_ids.tolist())
     if out.logprobs is not None:
-        k = np.maximum(num_logprobs, 0)  # [B_s] top entries each row asked for
-        result.logprobs = out.logprobs.tolist()
-        result.top_counts = k.tolist()
-        if k.any():
-            keep = np.arange(out.top_ids.shape[1])[None, :] < k[:, None]  # [B_s, K]
-            keep_t = torch.as_tensor(keep)
-            result.top_ids = out.top_ids[keep_t].tolist()
-            result.top_logprobs = out.top_logprobs[keep_t].tolist()
+        result.logprobs = row_logprobs(num_logprobs, out.logprobs, out.top_ids, out.top_logprobs)
     return result
 
 
@@ -205,10 +192,6 @@ class ModelRunner:
             return StepResult(
                 seq=plan.seq,
                 token_ids=[],
-                logprobs=[],
-                top_counts=[],
-                top_ids=[],
-                top_logprobs=[],
                 timing=StepTiming(received, received, received, received, time.perf_counter()),
             )
         inp, meta = self.prepare(plan)

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from gapless.core.common.config import EngineConfig
-from gapless.core.common.messages import StepPlan, StepResult, StepTiming
+from gapless.core.common.messages import SampleLogprobs, StepPlan, StepResult, StepTiming
 from gapless.core.common.model_files import load_tokenizer
+from gapless.gpu_runner.logprobs import row_logprobs
 from gapless.gpu_runner.sim_profiles import get_profile, num_kv_blocks, step_time
 
 
@@ -101,16 +102,9 @@ class SimBackend:
         wait = handle.ready_at - time.perf_counter()
         if wait > 0:
             time.sleep(wait)
-        result = StepResult(
-            seq=handle.seq,
-            token_ids=handle.token_ids.tolist(),
-            logprobs=[],
-            top_counts=[],
-            top_ids=[],
-            top_logprobs=[],
-        )
+        result = StepResult(seq=handle.seq, token_ids=handle.token_ids.tolist())
         if (handle.asks >= 0).any():
-            self._fill_logprobs(result, handle)
+            result.logprobs = self._logprobs(handle)
         h = handle
         result.timing = StepTiming(
             plan_received=h.received,
@@ -167,17 +161,10 @@ class SimBackend:
         sample_slots = slots[np.asarray(plan.sample, dtype=bool)]
         return int(ends[-1]), prefill, int(ctx.sum()), attended, sample_slots
 
-    def _fill_logprobs(self, result: StepResult, h: SimStep) -> None:
+    def _logprobs(self, h: SimStep) -> list[SampleLogprobs | None]:
         """Sampled token at rank 0 of a halving distribution; the rest random ordinary ids."""
-        k = np.maximum(h.asks, 0)  # [B_s] top entries per row
-        result.logprobs = np.full(len(k), self.rank_logprobs[0]).tolist()
-        result.top_counts = k.tolist()
-        total = int(k.sum())
-        if total == 0:
-            return
-        row_start = np.cumsum(k) - k
-        rank = np.arange(total) - np.repeat(row_start, k)  # [sum k]
-        top_ids = self.vocab[self.top_rng.integers(0, len(self.vocab), total)]
-        top_ids[row_start[k > 0]] = h.token_ids[k > 0]
-        result.top_ids = top_ids.tolist()
-        result.top_logprobs = self.rank_logprobs[rank].tolist()
+        b, k = len(h.asks), int(h.asks.max())  # rows, most top entries a row asked for
+        top_ids = self.vocab[self.top_rng.integers(0, len(self.vocab), (b, max(k, 1)))]
+        top_ids[:, 0] = h.token_ids  # [B_s, K]
+        top_lps = np.broadcast_to(self.rank_logprobs[: max(k, 1)], top_ids.shape)
+        return row_logprobs(h.asks, np.full(b, self.rank_logprobs[0]), top_ids, top_lps)

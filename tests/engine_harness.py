@@ -1,5 +1,6 @@
-"""Scheduler and runner wired together in one process, `depth` steps in flight, as the core
-loop does it over ZMQ. For tests that need the engine's token logic without processes."""
+"""The real EngineCore in one process: plans go to an in-process backend (the cpu runner's model,
+the sim device, cuda) in order and results come back in order, as the processes do over ZMQ;
+the TokenBatches go through a real DetokenizerState. No sockets."""
 
 from __future__ import annotations
 
@@ -9,10 +10,20 @@ from collections import deque
 import msgspec
 
 from gapless.core.common.config import EngineConfig
-from gapless.core.common.messages import AddRequest, SamplingParams
-from gapless.core.common.model_files import resolve_model
+from gapless.core.common.messages import (
+    Abort,
+    AddRequest,
+    DetokNew,
+    SamplingParams,
+    StreamEnded,
+    TextDelta,
+    TokenBatch,
+)
+from gapless.core.common.model_files import load_tokenizer, resolve_model
+from gapless.core.engine import EngineCore
 from gapless.core.scheduler import Scheduler
-from gapless.gpu_runner.runner import ModelRunner
+from gapless.detokenizer.state import DetokenizerState, Outbox
+from gapless.gpu_runner.backend import Backend, make_backend
 
 
 def make_config(model_dir, **overrides) -> EngineConfig:
@@ -22,24 +33,29 @@ def make_config(model_dir, **overrides) -> EngineConfig:
     return msgspec.structs.replace(base, **overrides)
 
 
+# arrivals[k]: (request id, prompt ids, params) that join before step k
+Arrivals = dict[int, list[tuple[str, list[int], SamplingParams]]]
+
+
 class Harness:
-    def __init__(self, config: EngineConfig, depth: int) -> None:
-        self.runner = ModelRunner(config)
-        self.depth = depth
-        self.scheduler = Scheduler(
-            num_blocks=self.runner.num_blocks,
-            block_size=config.block_size,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=config.model.max_model_len,
-            eos_token_ids=config.model.eos_token_ids,
-        )
-        self.outputs: dict[str, list[int]] = {}
-        self.finish: dict[str, str] = {}
+    def __init__(self, config: EngineConfig, backend: Backend | None = None) -> None:
+        self.backend = backend or make_backend(config)
+        self.core = EngineCore(config, self.backend.num_blocks)
+        self.detok = DetokenizerState(load_tokenizer(config.model))
+        self.outputs: dict[str, list[int]] = {}  # token ids as the core sent them
+        self.finish: dict[str, str] = {}  # the core's end reason
+        self.deltas: dict[str, list[TextDelta]] = {}  # what the frontend would receive
         self.steps = 0
+        self.max_inflight = 0
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.core.scheduler
 
     def add(self, rid: str, prompt: list[int], params: SamplingParams) -> None:
-        self.scheduler.add_request(
+        self.outputs[rid] = []
+        self.deltas[rid] = []
+        self.core.handle(
             AddRequest(
                 request_id=rid,
                 frontend_id=0,
@@ -48,27 +64,46 @@ class Harness:
                 arrival_time=time.time(),
             )
         )
-        self.outputs[rid] = []
 
-    def run(self, arrivals: dict[int, list[tuple[str, list[int], SamplingParams]]] | None = None):
-        """Steps until every request ended; arrivals[k] join before step k is planned."""
-        arrivals = dict(arrivals or {})
+    def run(self, arrivals: Arrivals | None = None, aborts: dict[int, list[str]] | None = None):
+        """Steps until every request ended; aborts[k] are sent before step k."""
+        arrivals, aborts = dict(arrivals or {}), dict(aborts or {})
         inflight: deque = deque()
-        while arrivals or inflight or self.scheduler.has_work:
+        result = None
+        while arrivals or aborts or inflight or self.core.has_work or result is not None:
             for rid, prompt, params in arrivals.pop(self.steps, []):
                 self.add(rid, prompt, params)
-            while len(inflight) < self.depth and (step := self.scheduler.schedule()):
-                # the runner executes plans in order as they arrive, as the process does
-                inflight.append((step, self.runner.execute(step.plan)))
-            if inflight:
-                step, result = inflight.popleft()
-                out = self.scheduler.update_from_output(step, result)
-                for req, tok, reason in zip(
-                    out.requests, out.token_ids, out.finish_reasons, strict=True
-                ):
-                    self.outputs[req.request_id].append(tok)
-                    if reason:
-                        self.finish[req.request_id] = reason
+            if self.steps in aborts:
+                self.core.handle(Abort(aborts.pop(self.steps)))
+            out = self.core.step(result)
+            for plan in out.plans:  # launched in order as they come, as the runner process does
+                inflight.append(self.backend.launch(plan))
+            self.max_inflight = max(self.max_inflight, len(inflight))
+            for msg in out.detok:
+                self._detokenize(msg)
+            result = self.backend.collect(inflight.popleft()) if inflight else None
             self.steps += 1
             assert self.steps < 10_000, "engine made no progress"
         return self.outputs
+
+    def _detokenize(self, msg) -> None:
+        if isinstance(msg, DetokNew):
+            self.detok.add(msg)
+            return
+        assert isinstance(msg, TokenBatch)
+        pos = 0
+        for rid, n, reason in zip(msg.request_ids, msg.counts, msg.finish_reasons, strict=True):
+            self.outputs[rid] += msg.token_ids[pos : pos + n]
+            pos += n
+            if reason:
+                assert rid not in self.finish, f"{rid} ended twice"
+                self.finish[rid] = reason
+        box = Outbox()
+        self.detok.process(msg, box)
+        for deltas in box.deltas.values():
+            for d in deltas:
+                self.deltas[d.request_id].append(d)
+        if box.stop_hits:  # the detokenizer process sends this back to the core
+            for rid in box.stop_hits:
+                self.finish[rid] = "stop_string"
+            self.core.handle(StreamEnded(box.stop_hits, "stop"))

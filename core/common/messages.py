@@ -17,7 +17,11 @@ from typing import Literal
 
 import msgspec
 
-FinishReason = Literal["stop", "length", "abort", "error"]
+FinishReason = Literal["stop", "length", "abort", "error"]  # what a client sees
+# How a request ended, as the core tells the detokenizer (docs/architecture.md, "A request's end"):
+# "stop_token": the last id is EOS or a stop token id; its text is withheld unless
+# include_stop_str_in_output. A stop string is found by the detokenizer, never sent here.
+EndReason = Literal["stop_token", "length", "abort", "error"]
 
 
 class _Msg(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):
@@ -61,10 +65,12 @@ class Abort(_Msg):
     request_ids: list[str]
 
 
-class StopHit(_Msg):
-    """The detokenizer found a stop string; the core finishes the request."""
+class StreamEnded(_Msg):
+    """The detokenizer ended these requests' streams: "stop", a stop string completed; "error",
+    detokenizing failed. The core ends them and sends nothing back."""
 
-    request_id: str
+    request_ids: list[str]
+    reason: Literal["stop", "error"]
 
 
 class Shutdown(_Msg):
@@ -89,7 +95,7 @@ class GetTimeline(_Msg):
     last: int
 
 
-CoreInput = AddRequest | Abort | StopHit | Shutdown | GetStats | GetTimeline
+CoreInput = AddRequest | Abort | StreamEnded | Shutdown | GetStats | GetTimeline
 
 
 # ---------------------------------------------------------------- core -> gpu_runner
@@ -142,19 +148,24 @@ class StepTiming(msgspec.Struct, array_like=True, gc=False):
     sample_s: float = 0.0
 
 
+class SampleLogprobs(msgspec.Struct, array_like=True, gc=False):
+    """One sampled token's raw model logprob and the top ids asked for, best first."""
+
+    logprob: float
+    top_ids: list[int] = []
+    top_logprobs: list[float] = []
+
+
 class StepResult(_Msg):
     seq: int
     token_ids: list[int]  # one per entry with sample=True, in entry order
-    logprobs: list[float]  # sampled token's logprob, same order (empty if nobody asked)
-    top_counts: list[int]  # per sampled entry: how many top logprobs follow (0 if none)
-    top_ids: list[int]
-    top_logprobs: list[float]
+    # same order as token_ids, None for rows that asked none; empty when no row asked
+    logprobs: list[SampleLogprobs | None] = []
     timing: StepTiming | None = None
 
 
 class RunnerReady(_Msg):
     num_kv_blocks: int
-    max_num_seqs: int
 
 
 class RunnerError(_Msg):
@@ -176,19 +187,18 @@ class DetokNew(_Msg):
 
 
 class TokenBatch(_Msg):
-    """New tokens of one step for several requests, flat and indexed per request."""
+    """New tokens of one step for several requests, flat and indexed per entry; an entry with
+    no token only ends its request (abort, error)."""
 
     request_ids: list[str]
-    counts: list[int]  # tokens per request (may be 0 for a pure finish)
-    token_ids: list[int]
-    finish_reasons: list[str]  # "" still running, else a FinishReason
+    counts: list[int]  # tokens per entry (0 for a pure end)
+    token_ids: list[int]  # concatenated, entry by entry
+    finish_reasons: list[str]  # per entry: "" still running, else an EndReason
     num_prompt_tokens: list[int]
-    # logprobs, flat over all tokens of requests that asked for them (see SamplingParams)
-    logprobs: list[float] = []
-    top_counts: list[int] = []
-    top_ids: list[int] = []
-    top_logprobs: list[float] = []
-    errors: list[str] = []  # per request, "" unless finish_reason is "error"
+    # per token, aligned with token_ids: its logprobs, None if its request asked none;
+    # empty when no request in the batch asked
+    logprobs: list[SampleLogprobs | None] = []
+    errors: list[str] = []  # per entry, "" unless finish_reason is "error"; empty when none
 
 
 DetokInput = DetokNew | TokenBatch | Shutdown

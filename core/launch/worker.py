@@ -26,7 +26,7 @@ def main(argv: list[str]) -> None:
     if NICE.get(role):
         os.nice(NICE[role])
     if role == "core":
-        from gapless.core.engine import run_core
+        from gapless.core.process import run_core
 
         _set_name("gapless-core")
         run_core(config)

@@ -26,14 +26,7 @@ def steady(batch: int):
 
 
 def _result(step) -> StepResult:
-    return StepResult(
-        seq=step.plan.seq,
-        token_ids=[7] * len(step.sampled),
-        logprobs=[],
-        top_counts=[],
-        top_ids=[],
-        top_logprobs=[],
-    )
+    return StepResult(seq=step.plan.seq, token_ids=[7] * len(step.sampled))
 
 
 @pytest.mark.parametrize("batch", SIZES)

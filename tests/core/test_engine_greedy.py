@@ -1,5 +1,5 @@
-"""Greedy outputs of the engine (scheduler + runner) equal transformers' per-prompt greedy,
-whatever the batching, chunking, preemption and overlap."""
+"""Greedy outputs of the engine (the in-process EngineCore + the cpu runner) equal
+transformers' per-prompt greedy, whatever the batching, chunking, preemption and overlap."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def reference(tiny_model_dir):
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 
 
-@pytest.mark.parametrize("depth", [1, 2], ids=["no-overlap", "overlap"])
+@pytest.mark.parametrize("overlap", [False, True], ids=["no-overlap", "overlap"])
 @pytest.mark.parametrize(
     "limits",
     [
@@ -47,9 +47,9 @@ GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     ],
     ids=["roomy", "chunked", "preempting"],
 )
-def test_greedy_equals_transformers(tiny_model_dir, reference, depth, limits):
+def test_greedy_equals_transformers(tiny_model_dir, reference, overlap, limits):
     prompts, want = reference
-    h = Harness(make_config(tiny_model_dir, **limits), depth=depth)
+    h = Harness(make_config(tiny_model_dir, overlap=overlap, **limits))
     arrivals: dict = {}
     for i, p in enumerate(prompts):  # staggered arrivals: join while others decode
         arrivals.setdefault(2 * i, []).append((f"r{i}", p, GREEDY))
@@ -60,3 +60,4 @@ def test_greedy_equals_transformers(tiny_model_dir, reference, depth, limits):
     if "kv_cache_memory" in limits:
         assert h.scheduler.num_preemptions > 0, "the small cache was meant to force preemption"
     assert h.scheduler.blocks.num_free == h.scheduler.blocks.num_usable
+    assert h.max_inflight == (2 if overlap else 1)

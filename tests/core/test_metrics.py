@@ -61,7 +61,7 @@ def _result(seq: int, start: float, end: float) -> StepResult:
         forward_s=end - start,
         sample_s=0.0002,
     )
-    return StepResult(seq, [7], [], [], [], [], timing)
+    return StepResult(seq, [7], timing=timing)
 
 
 def _value(registry: CollectorRegistry, name: str, **labels: str) -> float:

@@ -41,9 +41,7 @@ def make_requests(sched: Scheduler, n: int, prompt_len: int = 6, **params) -> li
 
 def fake_result(step: ScheduledStep, token: int | dict = 7) -> StepResult:
     ids = [token.get(r.request_id, 7) if isinstance(token, dict) else token for r in step.sampled]
-    return StepResult(
-        seq=step.plan.seq, token_ids=ids, logprobs=[], top_counts=[], top_ids=[], top_logprobs=[]
-    )
+    return StepResult(seq=step.plan.seq, token_ids=ids)
 
 
 def test_decode_entries_read_the_device_and_prefill_carries_ids():
@@ -63,7 +61,7 @@ def test_eos_under_overlap_drops_the_extra_token_and_frees_once():
     idle_free = s.blocks.num_free
     a, b = s.schedule(), s.schedule()  # b already contains req's next decode
     out = s.update_from_output(a, fake_result(a, EOS))
-    assert out.finish_reasons == ["stop"] and req.finished
+    assert out.end_reasons == ["stop_token"] and req.finished
     assert s.blocks.num_free == idle_free, "blocks come back as soon as the stop is seen"
     out = s.update_from_output(b, fake_result(b, 9))
     assert out.requests == [], "the token past EOS never leaves the core"
@@ -79,7 +77,7 @@ def test_max_tokens_costs_no_extra_step():
     assert s.schedule() is None, "both allowed samples are in flight: nothing more to plan"
     s.update_from_output(a, fake_result(a))
     out = s.update_from_output(b, fake_result(b))
-    assert out.finish_reasons == ["length"]
+    assert out.end_reasons == ["length"]
 
 
 def test_abort_and_stop_hit_free_blocks_once():
@@ -127,27 +125,81 @@ def make_requests_named(s, rid, prompt_len):
 
 def test_preemption_recomputes_the_newest_and_keeps_its_place():
     s = make_scheduler(num_blocks=7, block_size=4)  # 6 usable blocks
-    reqs = make_requests(s, 2, prompt_len=8, max_tokens=20)  # 2 blocks each at admission
+    # 2 blocks each at admission, 5 at most: both fit the cache alone, not together
+    reqs = make_requests(s, 2, prompt_len=8, max_tokens=12)
     for _ in range(12):
         step = s.schedule()
-        if step is None:
-            break
         s.update_from_output(step, fake_result(step))
         if s.num_preemptions:
             break
     assert s.num_preemptions >= 1
     assert s.waiting[0] is reqs[1], "the newest is preempted and waits first in line"
-    step = s.schedule() or s.schedule()
+    known = reqs[1].num_tokens
     # once it runs again, its whole known sequence is recomputed with ids from the host
-    while step is not None and reqs[1] not in step.sampled:
-        s.update_from_output(step, fake_result(step))
+    for _ in range(20):
         step = s.schedule()
-    if step is not None:
-        j = step.plan.slots.index(reqs[1].slot)
-        assert step.plan.has_tokens[j] and step.plan.start_pos[j] == 0
+        assert step is not None, "the preempted request must come back"
+        if reqs[1] in step.sampled:
+            break
+        s.update_from_output(step, fake_result(step))
+    j = step.plan.slots.index(reqs[1].slot)
+    assert step.plan.has_tokens[j] and step.plan.start_pos[j] == 0
+    assert step.plan.num_tokens[j] == known, "prompt and every known output, in one chunk"
 
 
 def test_request_that_can_never_fit_is_reported():
     s = make_scheduler(num_blocks=3, block_size=4)
     (req,) = make_requests(s, 1, prompt_len=30)
     assert "KV cache" in s.fits_ever(req)
+
+
+def test_one_truth_while_running_preempted_and_finished():
+    """A request's ids read the same through the Request wherever they live."""
+    s = make_scheduler(num_blocks=7, block_size=4)
+    reqs = make_requests(s, 2, prompt_len=8, max_tokens=12)
+    sampled: dict[str, list[int]] = {r.request_id: [] for r in reqs}
+    token = iter(range(100, 10_000))
+    while not s.num_preemptions:
+        step = s.schedule()
+        ids = {r.request_id: next(token) for r in step.sampled}
+        out = s.update_from_output(step, fake_result(step, ids))
+        for r, t in zip(out.requests, out.token_ids, strict=True):
+            sampled[r.request_id].append(t)
+        for r in reqs:  # running: read from the batch's arrays
+            assert r.output_ids == sampled[r.request_id]
+    victim = reqs[1]
+    assert victim.slot == -1 and victim.output_ids == sampled["r1"], "preempted: its own list"
+    s.finish(reqs[0], "abort")
+    assert reqs[0].output_ids == sampled["r0"], "finished: its ids went back with it"
+
+
+def test_stop_token_and_length_end_preempted_requests_too():
+    """A token that arrives after its request left the slot goes through the same checks."""
+    s = make_scheduler(num_blocks=7, block_size=4)
+    reqs = make_requests(s, 2, prompt_len=8, max_tokens=12, stop_token_ids=(55,))
+    for _ in range(40):
+        step = s.schedule()
+        if reqs[1].num_pending and reqs[1] in step.sampled:
+            s.preempt(reqs[1])  # its sample is in flight: it arrives off the slot
+            out = s.update_from_output(step, fake_result(step, {"r1": 55}))
+            break
+        s.update_from_output(step, fake_result(step))
+    else:
+        raise AssertionError("r1 never had a sample in flight")
+    j = [r.request_id for r in out.requests].index("r1")
+    assert out.end_reasons[j] == "stop_token" and reqs[1].finished
+    assert reqs[1].output_ids[-1] == 55 and "r1" not in s.requests
+
+
+def test_length_ends_at_max_tokens_or_context():
+    s = make_scheduler(max_model_len=12)
+    first, second = make_requests(s, 2, prompt_len=8, max_tokens=10)  # context ends both
+    ended: dict[str, str] = {}
+    while s.has_work:
+        step = s.schedule()
+        out = s.update_from_output(step, fake_result(step))
+        ended.update(
+            {r.request_id: e for r, e in zip(out.requests, out.end_reasons, strict=True) if e}
+        )
+    assert ended == {"r0": "length", "r1": "length"}
+    assert len(first.output_ids) == len(second.output_ids) == 4

@@ -128,8 +128,7 @@ def test_engine_greedy_on_cuda_equals_transformers(tiny_model_dir):
             )
         want.append(out[0, len(p) :].tolist())
     config = make_config(tiny_model_dir, block_size=BS, max_num_seqs=8)
-    h = Harness(config, depth=2)
-    h.runner = _cuda(tiny_model_dir)
+    h = Harness(config, backend=_cuda(tiny_model_dir))
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     got = h.run({0: [(f"r{i}", p, params) for i, p in enumerate(prompts)]})
     assert [got[f"r{i}"] for i in range(len(prompts))] == want

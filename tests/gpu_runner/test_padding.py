@@ -160,11 +160,11 @@ def test_prepare_pads_only_decode_batches():
 
 
 def test_cpu_engine_runs_decodes_padded(tiny_model_dir):
-    h = Harness(make_config(tiny_model_dir), depth=2)
-    assert h.runner.use_graphs, "the cpu device takes the padded path by default"
+    h = Harness(make_config(tiny_model_dir))
+    assert h.backend.use_graphs, "the cpu device takes the padded path by default"
     sizes = []
-    run = h.runner.graphs.run
-    h.runner.graphs.run = lambda size, meta: sizes.append(size) or run(size, meta)
+    run = h.backend.graphs.run
+    h.backend.graphs.run = lambda size, meta: sizes.append(size) or run(size, meta)
     short = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     arrivals = {0: [("r0", [11, 12, 13, 14], short)]}
     arrivals[1] = [(f"s{i}", [5 + i, 6, 7], short) for i in range(2)]

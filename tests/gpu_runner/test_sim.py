@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import time
-from collections import deque
 
 import msgspec
 import numpy as np
 import pytest
 
 from gapless.core.common.config import EngineConfig
-from gapless.core.common.messages import AddRequest, NewSlot, SamplingParams, StepPlan
+from gapless.core.common.messages import NewSlot, SamplingParams, StepPlan
 from gapless.core.common.model_files import load_tokenizer, resolve_model
-from gapless.core.scheduler import Scheduler
 from gapless.gpu_runner.sim import SimBackend
 from gapless.gpu_runner.sim_profiles import (
     GIB,
@@ -23,6 +21,7 @@ from gapless.gpu_runner.sim_profiles import (
     step_cost,
     step_time,
 )
+from tests.engine_harness import Harness
 
 # ---------------------------------------------------------------- the timing model (sim)
 
@@ -203,13 +202,14 @@ def test_logprobs_have_the_shapes_asked_for(config):
         [new_slot(0, logprobs=3), new_slot(1), new_slot(2, logprobs=0)],
     )
     r = sim.collect(sim.launch(plan))
-    assert len(r.logprobs) == 3 and r.top_counts == [3, 0, 0]
-    assert len(r.top_ids) == len(r.top_logprobs) == 3
-    assert r.top_ids[0] == r.token_ids[0] and r.top_logprobs[0] == r.logprobs[0]
-    assert r.top_logprobs == sorted(r.top_logprobs, reverse=True)
-    assert all(lp < 0 for lp in r.logprobs)
+    top3, none, only = r.logprobs
+    assert none is None, "a row that asked nothing carries nothing"
+    assert len(top3.top_ids) == len(top3.top_logprobs) == 3 and only.top_ids == []
+    assert top3.top_ids[0] == r.token_ids[0] and top3.top_logprobs[0] == top3.logprob
+    assert top3.top_logprobs == sorted(top3.top_logprobs, reverse=True)
+    assert top3.logprob < 0 and only.logprob < 0
     plain = sim.collect(sim.launch(p.plan([(1, 1, 4, False)])))
-    assert plain.logprobs == [] and plain.top_counts == []
+    assert plain.logprobs == []
 
 
 def test_kv_capacity_follows_the_profile(config):
@@ -226,44 +226,11 @@ def test_kv_capacity_follows_the_profile(config):
 
 def test_engine_loop_finishes_requests_and_keeps_the_device_fed(config):
     cfg = msgspec.structs.replace(config, sim_profile="a100-llama3-8b")  # ~10 ms steps (sim)
-    sim = SimBackend(cfg)
-    sched = Scheduler(
-        num_blocks=sim.num_blocks,
-        block_size=cfg.block_size,
-        max_num_seqs=cfg.max_num_seqs,
-        max_num_batched_tokens=512,
-        max_model_len=cfg.model.max_model_len,
-        eos_token_ids=cfg.model.eos_token_ids,
-    )
-    for i in range(8):
-        sched.add_request(
-            AddRequest(
-                request_id=f"r{i}",
-                frontend_id=0,
-                prompt_token_ids=list(range(100 + i, 140 + i)),
-                params=SamplingParams(max_tokens=64),
-                arrival_time=time.time(),
-            )
-        )
-    outputs: dict[str, list[int]] = {f"r{i}": [] for i in range(8)}
-    finish: dict[str, str] = {}
-    timings = []
-    inflight: deque = deque()
-    while inflight or sched.has_work:
-        # two plans ahead of the results, as the core does with overlap
-        while len(inflight) < 2 and (step := sched.schedule()):
-            inflight.append((step, sim.launch(step.plan)))
-        step, handle = inflight.popleft()
-        result = sim.collect(handle)
-        if step.plan.slots:
-            timings.append(result.timing)
-        out = sched.update_from_output(step, result)
-        for req, tok, reason in zip(out.requests, out.token_ids, out.finish_reasons, strict=True):
-            outputs[req.request_id].append(tok)
-            if reason:
-                finish[req.request_id] = reason
-        assert sim.last_seq < 1000, "no progress"
-    assert finish == {rid: "length" for rid in outputs}
+    h = Harness(cfg)  # the real EngineCore, two plans ahead of the results
+    params = SamplingParams(max_tokens=64)
+    outputs = h.run({0: [(f"r{i}", list(range(100 + i, 140 + i)), params) for i in range(8)]})
+    timings = [s for s in h.core.timeline.last(10_000) if s.num_seqs]
+    assert h.finish == {rid: "length" for rid in outputs}
     assert all(len(ids) == 64 for ids in outputs.values())
     assert not set(cfg.model.eos_token_ids) & {t for ids in outputs.values() for t in ids}
     fed = 0

@@ -1,0 +1,85 @@
+"""The real EngineCore in-process with the sim device and a real detokenizer state, no ZMQ:
+whole lives of requests that end by length, a stop string, an abort and an error, with a KV
+cache small enough to force preemption."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from gapless.core.common.config import EngineConfig
+from gapless.core.common.messages import SamplingParams
+from gapless.core.common.model_files import load_tokenizer, resolve_model
+from gapless.gpu_runner.sim import SimBackend
+from tests.engine_harness import Harness
+
+PROMPT = list(range(1000, 1040))  # 40 tokens: with 40 outputs, 5 blocks of 16
+
+
+@pytest.fixture(scope="module")
+def config(default_gguf) -> EngineConfig:
+    return EngineConfig(
+        model=resolve_model(str(default_gguf)),
+        served_model_name="sim",
+        device="sim",
+        sim_profile="h100-llama3-8b",
+        max_num_seqs=4,
+        block_size=16,
+        max_num_batched_tokens=64,
+        seed=5,
+    )
+
+
+def small_cache_engine(config: EngineConfig, usable_blocks: int) -> Harness:
+    sim = SimBackend(config)
+    sim.num_blocks = usable_blocks + 1  # block 0 is reserved
+    return Harness(config, backend=sim)
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+def test_whole_lives_under_preemption(config, overlap):
+    h = small_cache_engine(msgspec.structs.replace(config, overlap=overlap), usable_blocks=12)
+    long = SamplingParams(max_tokens=40)
+    arrivals = {
+        0: [("a", PROMPT, long), ("b", PROMPT, long), ("gone", PROMPT, long)],
+        1: [("c", PROMPT, long), ("e-stop", PROMPT, SamplingParams(max_tokens=40, stop=("e",)))],
+        2: [("too-long", list(range(9000)), long)],
+    }
+    h.run(arrivals, aborts={4: ["gone"]})
+
+    s = h.scheduler
+    assert s.num_preemptions > 0, "12 blocks hold two of these requests, not four"
+    assert h.max_inflight == (2 if overlap else 1)
+    assert h.finish == {
+        "a": "length",
+        "b": "length",
+        "c": "length",
+        "gone": "abort",
+        "e-stop": "stop_string",
+        "too-long": "error",
+    }
+    tokenizer = load_tokenizer(config.model)
+    for rid in ("a", "b", "c"):
+        deltas = h.deltas[rid]
+        assert len(h.outputs[rid]) == 40, rid
+        assert [d.finish_reason for d in deltas].count("length") == 1
+        assert deltas[-1].finish_reason == "length" and deltas[-1].num_output_tokens == 40
+        assert "".join(d.text for d in deltas) == tokenizer.decode(h.outputs[rid])
+    assert all(d.finish_reason is None for d in h.deltas["gone"]), "an abort sends nothing"
+    stop = h.deltas["e-stop"]
+    assert stop[-1].finish_reason == "stop" and "e" not in "".join(d.text for d in stop)
+    (err,) = h.deltas["too-long"]
+    assert err.finish_reason == "error" and "context" in err.error and h.outputs["too-long"] == []
+    # nothing held anywhere once every request ended
+    assert s.requests == {} and not s.has_work and not h.core.inflight
+    assert s.blocks.num_free == s.blocks.num_usable
+    assert h.detok.num_requests == 0
+
+
+def test_abort_of_a_waiting_request_and_an_unknown_id(config):
+    h = small_cache_engine(config, usable_blocks=6)  # room for one request at a time
+    p = SamplingParams(max_tokens=40)
+    h.run({0: [("first", PROMPT, p), ("queued", PROMPT, p)]}, aborts={1: ["queued", "nobody"]})
+    assert h.finish == {"first": "length", "queued": "abort"}
+    assert h.outputs["queued"] == [] and h.deltas["queued"] == []
+    assert h.scheduler.requests == {} and h.detok.num_requests == 0
