@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 
 Device = Literal["cpu", "sim", "cuda"]
 DType = Literal["bfloat16", "float32", "float16"]
+NOT_A_FLAG = msgspec.Meta(extra={"flag": False})  # a field `gapless serve` has no flag for
 
 
 class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -25,38 +26,96 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
-    """Everything a gapless process needs; nobody mutates it after spawn."""
+    """Everything a gapless process needs; nobody mutates it after spawn.
 
-    model: ModelInfo
-    served_model_name: str
-    device: Device = "cpu"
-    dtype: DType = "bfloat16"
+    Every field is a `gapless serve` flag unless marked NOT_A_FLAG; core/launch/cli.py generates
+    them: `--field-name`, or `--no-field-name` for a bool that defaults to True, the description
+    is the help. Meta(extra=...) keys: flag (the flag's name without `--`), parse, choices and
+    default (hooks cli.py resolves by name, so this shared module imports no role), env (the
+    default comes from this environment variable).
+    """
+
+    model: Annotated[ModelInfo, NOT_A_FLAG]
+    served_model_name: Annotated[str, NOT_A_FLAG]  # cli.py names it from --model
+    device: Annotated[Device, msgspec.Meta(description="where the model runs")] = "cpu"
+    dtype: Annotated[DType, msgspec.Meta(description="dtype of weights and activations")] = (
+        "bfloat16"
+    )
     # scheduling
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    block_size: int = 16
-    kv_cache_memory: int = 512 * 2**20  # bytes for K and V of all layers
-    overlap: bool = True
+    max_num_seqs: Annotated[int, msgspec.Meta(description="requests running at once", ge=1)] = 64
+    max_num_batched_tokens: Annotated[
+        int, msgspec.Meta(description="token budget per step", ge=1)
+    ] = 512
+    block_size: Annotated[int, msgspec.Meta(description="tokens per KV block", ge=1)] = 16
+    kv_cache_memory: Annotated[
+        int,
+        msgspec.Meta(description="KV cache size, K and V of all layers", extra={"parse": "bytes"}),
+    ] = 512 * 2**20  # bytes
+    overlap: Annotated[
+        bool,
+        msgspec.Meta(
+            description="schedule the next step while the device runs this one "
+            "(off: one step at a time, for A/B runs)"
+        ),
+    ] = True
     # runner
-    threads: int = 1  # torch intra-op threads on the cpu device
-    seed: int = 0
-    sim_profile: str = "h100-llama3-8b"
-    cuda_graph: bool = True
-    trace_file: str | None = None
+    threads: Annotated[
+        int,
+        msgspec.Meta(
+            description="torch intra-op threads on the cpu device",
+            ge=1,
+            extra={"default": "all_cores"},
+        ),
+    ] = 1
+    seed: Annotated[int, msgspec.Meta(description="seed of unseeded sampling")] = 0
+    sim_profile: Annotated[
+        str,
+        msgspec.Meta(
+            description="timing profile of --device sim (docs/sim-profiles.md); the KV capacity "
+            "comes from the profile, --model gives the tokenizer and context length",
+            extra={"choices": "sim_profiles"},
+        ),
+    ] = "h100-llama3-8b"
+    cuda_graph: Annotated[
+        bool,
+        msgspec.Meta(
+            description="replay cuda decode steps as captured graphs (off: run them eagerly)"
+        ),
+    ] = True
+    trace_file: Annotated[
+        str | None, msgspec.Meta(description="write the device timeline as a Chrome trace here")
+    ] = None
     # frontend
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None
-    api_servers: int = 1
-    max_n: int = 8
-    max_logprobs: int = 20
-    max_body_bytes: int = 4 * 2**20
-    max_stop_strings: int = 16
-    chat_template_timeout_s: float = 2.0
+    host: Annotated[str, msgspec.Meta(description="address the HTTP server binds")] = "127.0.0.1"
+    port: Annotated[int, msgspec.Meta(description="port the HTTP server listens on")] = 8000
+    api_key: Annotated[
+        str | None,
+        msgspec.Meta(
+            description="required as 'Authorization: Bearer KEY'",
+            extra={"env": "GAPLESS_API_KEY"},
+        ),
+    ] = None
+    api_servers: Annotated[
+        int, msgspec.Meta(description="frontend processes sharing the port", ge=1)
+    ] = 1
+    max_n: Annotated[int, msgspec.Meta(description="most choices (n) one request may ask for")] = 8
+    max_logprobs: Annotated[
+        int, msgspec.Meta(description="most alternative logprobs per token a request may ask for")
+    ] = 20
+    max_body_bytes: Annotated[int, NOT_A_FLAG] = 4 * 2**20
+    max_stop_strings: Annotated[int, NOT_A_FLAG] = 16
+    chat_template_timeout_s: Annotated[float, NOT_A_FLAG] = 2.0
     # lifecycle
-    run_dir: str = ""  # private 0700 directory holding the ipc sockets
-    drain_timeout_s: float = 30.0
-    dead_engine_grace_s: float = 3.0  # how long /health says 503 before serve exits
+    run_dir: Annotated[str, NOT_A_FLAG] = ""  # private 0700 directory holding the ipc sockets
+    drain_timeout_s: Annotated[
+        float,
+        msgspec.Meta(
+            description="seconds SIGTERM waits for in-flight requests",
+            extra={"flag": "drain-timeout"},
+        ),
+    ] = 30.0
+    # how long /health says 503 before serve exits
+    dead_engine_grace_s: Annotated[float, NOT_A_FLAG] = 3.0
 
     def ipc(self, name: str) -> str:
         """ZMQ address of one named socket inside the run directory."""

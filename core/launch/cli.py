@@ -6,6 +6,13 @@ import argparse
 import os
 import re
 import sys
+import types
+import typing
+from collections.abc import Callable, Iterator
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec.structs import FieldInfo
 
 from gapless.core.common.config import EngineConfig
 from gapless.gpu_runner.sim_profiles import list_profiles
@@ -21,57 +28,111 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2) or ""])
 
 
+def format_bytes(n: int) -> str:
+    """512 * 2**20 -> '512MiB': the largest binary unit that divides n."""
+    for unit in ("gi", "mi", "ki"):
+        if n and n % _UNITS[unit] == 0:
+            return f"{n // _UNITS[unit]}{unit.capitalize()}B"
+    return str(n)
+
+
 def default_threads() -> int:
     # measured on 2 cores, 32 x 128:128 through HTTP: 2 threads 133.7 tok/s, 1 thread 106.8 tok/s;
     # the other roles are light and run at lower priority, so the runner takes every core
     return max(1, os.cpu_count() or 1)
 
 
-def add_serve_args(p: argparse.ArgumentParser) -> None:
+# hooks a field's Meta(extra=...) names, resolved here so that config.py imports no role
+PARSERS: dict[str, tuple[Callable[[str], Any], Callable[[Any], str]]] = {
+    "bytes": (parse_bytes, format_bytes),  # (parse the flag, show the default)
+}
+CHOICES: dict[str, Callable[[], list[str]]] = {"sim_profiles": list_profiles}
+DEFAULTS: dict[str, Callable[[], Any]] = {"all_cores": default_threads}
+
+
+def config_flags(cls: type[msgspec.Struct]) -> Iterator[tuple[FieldInfo, str, dict[str, Any]]]:
+    """(field, description, extra) of every field of cls that is a flag."""
+    for field in msgspec.structs.fields(cls):
+        metas = [m for m in getattr(field.type, "__metadata__", ()) if isinstance(m, msgspec.Meta)]
+        extra = {k: v for m in metas for k, v in (m.extra or {}).items()}
+        if extra.get("flag") is not False:
+            yield field, " ".join(m.description for m in metas if m.description), extra
+
+
+def _value_type(hint: Any) -> Any:
+    """int for Annotated[int | None, Meta(...)]."""
+    hint = typing.get_args(hint)[0] if typing.get_origin(hint) is Annotated else hint
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        (hint,) = [a for a in typing.get_args(hint) if a is not type(None)]
+    return hint
+
+
+def _checked(parse: Callable[[str], Any], hint: Any) -> Callable[[str], Any]:
+    """parse, then the field's constraints (Meta(ge=1), ...) as msgspec checks them."""
+
+    def convert(text: str) -> Any:
+        try:
+            return msgspec.convert(parse(text), hint)
+        except msgspec.ValidationError as e:
+            raise argparse.ArgumentTypeError(f"{e} (got {text})") from None
+
+    convert.__name__ = parse.__name__  # argparse names it in "invalid int value: 'x'"
+    return convert
+
+
+def add_config_flags(p: argparse.ArgumentParser, cls: type[msgspec.Struct] = EngineConfig) -> None:
+    """One flag per field of cls: --field-name (or extra flag), its type, default and help."""
+    for field, description, extra in config_flags(cls):
+        assert field.default is not msgspec.NODEFAULT, f"flag {field.name} needs a default"
+        name = "--" + extra.get("flag", field.name.replace("_", "-"))
+        kind = _value_type(field.type)
+        default = DEFAULTS[extra["default"]]() if "default" in extra else field.default
+        default = os.environ.get(extra["env"], default) if "env" in extra else default
+        text = description.replace("%", "%%")  # argparse %-formats help
+        if kind is bool:  # a switch away from the default: --no-overlap for a True field
+            p.add_argument(
+                name.replace("--", "--no-") if default else name,
+                dest=field.name,
+                action="store_false" if default else "store_true",
+                help=f"{text} (default: {'on' if default else 'off'})",
+            )
+            continue
+        parse, show = PARSERS[extra["parse"]] if "parse" in extra else (kind, str)
+        choices = CHOICES[extra["choices"]]() if "choices" in extra else None
+        if typing.get_origin(kind) is Literal:
+            choices = list(typing.get_args(kind))
+            parse = type(choices[0])
+        if "env" in extra:  # why: help must not print the secret itself
+            text += f" (default: ${extra['env']})"
+        elif default is not None:
+            text += f" (default: {show(default)})"
+        p.add_argument(
+            name,
+            dest=field.name,
+            metavar=None if choices else name[2:].upper().replace("-", "_"),
+            type=parse if choices else _checked(parse, field.type),  # argparse names choices
+            # a string default goes through type: "512MiB" -> 536870912
+            default=show(default) if "parse" in extra else default,
+            choices=choices,
+            help=text,
+        )
+
+
+def add_serve_args(p: argparse.ArgumentParser, cls: type[EngineConfig] = EngineConfig) -> None:
+    # the model flags resolve a ModelInfo; every other flag comes from EngineConfig's fields
     p.add_argument(
         "--model", help="Hugging Face directory or .gguf file (default: SmolLM2-135M-Instruct)"
     )
     p.add_argument("--served-model-name", help="model name clients send (default: from --model)")
-    p.add_argument("--device", choices=["cpu", "sim", "cuda"], default="cpu")
-    p.add_argument("--dtype", choices=["bfloat16", "float32", "float16"], default="bfloat16")
-    p.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
-    p.add_argument("--max-num-batched-tokens", type=int, default=512, help="token budget per step")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    p.add_argument("--kv-cache-memory", type=parse_bytes, default="512MiB", help="KV cache size")
-    p.add_argument("--max-model-len", type=int, help="cap on the model's context length")
     p.add_argument(
-        "--no-overlap", action="store_true", help="run one step at a time (for A/B runs)"
+        "--max-model-len", type=int, help="cap on the model's context length (default: none)"
     )
-    p.add_argument("--threads", type=int, default=default_threads(), help="torch threads on cpu")
-    p.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
-    p.add_argument(
-        "--sim-profile",
-        default="h100-llama3-8b",
-        choices=list_profiles(),
-        help="timing profile of --device sim (docs/sim-profiles.md); the KV capacity "
-        "comes from the profile, --model gives the tokenizer and context length",
-    )
-    p.add_argument("--no-cuda-graph", action="store_true", help="run cuda decode steps eagerly")
-    p.add_argument("--trace-file", help="write the device timeline as a Chrome trace here")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument(
-        "--api-key",
-        default=os.environ.get("GAPLESS_API_KEY"),
-        help="required as 'Authorization: Bearer KEY' (default: $GAPLESS_API_KEY)",
-    )
-    p.add_argument("--api-servers", type=int, default=1, help="frontend processes sharing the port")
-    p.add_argument("--max-logprobs", type=int, default=20)
-    p.add_argument("--max-n", type=int, default=8)
-    p.add_argument(
-        "--drain-timeout",
-        type=float,
-        default=30.0,
-        help="seconds SIGTERM waits for in-flight requests",
-    )
+    add_config_flags(p, cls)
 
 
-def config_from_args(args: argparse.Namespace) -> EngineConfig:
+def config_from_args(
+    args: argparse.Namespace, cls: type[EngineConfig] = EngineConfig
+) -> EngineConfig:
     from gapless.core.common.model_cache import DEFAULT_NAME
     from gapless.core.common.model_files import resolve_model
 
@@ -82,29 +143,8 @@ def config_from_args(args: argparse.Namespace) -> EngineConfig:
         name = os.path.basename(os.path.normpath(args.model)).removesuffix(".gguf")
     else:
         name = DEFAULT_NAME
-    return EngineConfig(
-        model=info,
-        served_model_name=name,
-        device=args.device,
-        dtype=args.dtype,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        block_size=args.block_size,
-        kv_cache_memory=args.kv_cache_memory,
-        overlap=not args.no_overlap,
-        threads=args.threads,
-        seed=args.seed,
-        sim_profile=args.sim_profile,
-        cuda_graph=not args.no_cuda_graph,
-        trace_file=args.trace_file,
-        host=args.host,
-        port=args.port,
-        api_key=args.api_key,
-        api_servers=args.api_servers,
-        max_logprobs=args.max_logprobs,
-        max_n=args.max_n,
-        drain_timeout_s=args.drain_timeout,
-    )
+    flags = {field.name: getattr(args, field.name) for field, _, _ in config_flags(cls)}
+    return cls(model=info, served_model_name=name, **flags)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -123,15 +163,6 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "serve":
         from gapless.core.launch.supervisor import serve
 
-        for name in (
-            "max_num_seqs",
-            "max_num_batched_tokens",
-            "block_size",
-            "threads",
-            "api_servers",
-        ):
-            if getattr(args, name) < 1:
-                parser.error(f"--{name.replace('_', '-')} must be at least 1")
         try:
             config = config_from_args(args)
         except (ValueError, FileNotFoundError, NotImplementedError, RuntimeError) as e:
