@@ -21,6 +21,7 @@ from gapless.core.common.messages import (
 )
 from gapless.core.common.model_files import load_tokenizer, resolve_model
 from gapless.core.engine import EngineCore
+from gapless.core.metrics import CoreMetrics
 from gapless.core.scheduler import Scheduler
 from gapless.detokenizer.state import DetokenizerState, Outbox
 from gapless.gpu_runner.backend import Backend, make_backend
@@ -38,9 +39,14 @@ Arrivals = dict[int, list[tuple[str, list[int], SamplingParams]]]
 
 
 class Harness:
-    def __init__(self, config: EngineConfig, backend: Backend | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        backend: Backend | None = None,
+        metrics: CoreMetrics | None = None,
+    ) -> None:
         self.backend = backend or make_backend(config)
-        self.core = EngineCore(config, self.backend.num_blocks)
+        self.core = EngineCore(config, self.backend.num_blocks, metrics)
         self.detok = DetokenizerState(load_tokenizer(config.model))
         self.outputs: dict[str, list[int]] = {}  # token ids as the core sent them
         self.finish: dict[str, str] = {}  # the core's end reason

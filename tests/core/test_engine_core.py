@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import msgspec
 import pytest
+from prometheus_client import CollectorRegistry
 
 from gapless.core.common.config import EngineConfig
 from gapless.core.common.messages import SamplingParams
 from gapless.core.common.model_files import load_tokenizer, resolve_model
+from gapless.core.metrics import CoreMetrics
 from gapless.gpu_runner.sim import SimBackend
 from tests.engine_harness import Harness
 
@@ -30,15 +32,17 @@ def config(default_gguf) -> EngineConfig:
     )
 
 
-def small_cache_engine(config: EngineConfig, usable_blocks: int) -> Harness:
+def small_cache_engine(config: EngineConfig, usable_blocks: int, metrics=None) -> Harness:
     sim = SimBackend(config)
     sim.num_blocks = usable_blocks + 1  # block 0 is reserved
-    return Harness(config, backend=sim)
+    return Harness(config, backend=sim, metrics=metrics)
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
 def test_whole_lives_under_preemption(config, overlap):
-    h = small_cache_engine(msgspec.structs.replace(config, overlap=overlap), usable_blocks=12)
+    registry = CollectorRegistry()
+    cfg = msgspec.structs.replace(config, overlap=overlap)
+    h = small_cache_engine(cfg, usable_blocks=12, metrics=CoreMetrics(registry))
     long = SamplingParams(max_tokens=40)
     arrivals = {
         0: [("a", PROMPT, long), ("b", PROMPT, long), ("gone", PROMPT, long)],
@@ -74,6 +78,14 @@ def test_whole_lives_under_preemption(config, overlap):
     assert s.requests == {} and not s.has_work and not h.core.inflight
     assert s.blocks.num_free == s.blocks.num_usable
     assert h.detok.num_requests == 0
+    # each end counted once, by the reason a client sees
+    finished = {
+        reason: registry.get_sample_value(
+            "gapless_requests_finished_total", {"finish_reason": reason}
+        )
+        for reason in ("length", "stop", "abort", "error")
+    }
+    assert finished == {"length": 3, "stop": 1, "abort": 1, "error": 1}
 
 
 def test_abort_of_a_waiting_request_and_an_unknown_id(config):
