@@ -8,7 +8,6 @@ samples the same tokens whatever batch or slot it lands in, with no per-row gene
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -75,9 +74,11 @@ def exponentials(keys: torch.Tensor, vocab_hash: torch.Tensor) -> torch.Tensor:
     x = (keys >> 32).to(torch.int32)[:, None] ^ vocab_hash  # [B, V] int32
     _fmix32_(x, final_shift=False)
     # top 23 bits, signed in [-2**22, 2**22); + 2**22 + 0.5 is exact in float32 and lies in
-    # (0, 2**23), so u = w / 2**23 is strictly inside (0, 1) and q = -log(u) > 0
+    # (0, 2**23), so u = w / 2**23 is exact and strictly inside (0, 1), and q = -log(u) > 0.
+    # why not 23 log 2 - log(w): near u = 1 that difference rounds to 0, and probs / 0 gives
+    # inf (an allowed token wins) or nan (a filtered-out token wins the argmax)
     w = (x >> 9).to(torch.float32).add_(2.0**22 + 0.5)  # [B, V] float32
-    return w.log_().neg_().add_(23.0 * math.log(2.0))
+    return w.mul_(2.0**-23).log_().neg_()
 
 
 @dataclass(frozen=True)

@@ -65,6 +65,14 @@ def test_exponentials_are_positive_finite_with_unit_mean() -> None:
     assert abs(q.mean().item() - 1.0) < 0.01 and abs(q.var().item() - 1.0) < 0.03
 
 
+def test_exponentials_are_never_zero() -> None:
+    # 2**24 draws meet every u just below 1 that a float32 difference of logs rounded to q = 0
+    # (about 1 in 10**6): a zero q turned a filtered-out token's 0 / 0 into the argmax
+    keys = mix64(torch.arange(4, dtype=torch.int64))
+    q = exponentials(keys, sampler_module._fmix32_(torch.arange(2**22, dtype=torch.int32)))
+    assert float(q.min()) >= 2.0**-24 * 0.99  # -log(1 - 2**-24), the smallest q there is
+
+
 # ---------------------------------------------------------------- greedy and penalties
 
 
@@ -241,6 +249,17 @@ def allowed_tokens(logits_row: torch.Tensor, p: SamplingParams) -> set[int]:
     return {tok for tok, prob in keep if prob >= p.min_p * top}
 
 
+def allowed_mask(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """allowed_tokens of every row at once, for params without min_p: [B, vocab] bool."""
+    x = logits.double() / p.temperature
+    vals, order = x.sort(-1, descending=True)
+    if p.top_k:
+        vals, order = vals[:, : p.top_k], order[:, : p.top_k]
+    probs = torch.softmax(vals, -1)
+    keep = probs.cumsum(-1) - probs < p.top_p  # the mass before a token is under top_p
+    return torch.zeros_like(x, dtype=torch.bool).scatter_(1, order, keep)
+
+
 @pytest.mark.parametrize(
     "filters",
     [
@@ -354,9 +373,18 @@ def test_bench_sample(benchmark, batch: int, mode: str) -> None:  # type: ignore
     state = make_state(
         {s: BENCH_MODES[mode] for s in range(batch)}, vocab_size=vocab, max_slots=batch
     )
-    logits = torch.randn(batch, vocab)
+    logits = torch.randn(batch, vocab, generator=torch.Generator().manual_seed(batch))
     slots = torch.arange(batch)
     positions = torch.full((batch,), 100)
     host_slots = np.arange(batch)
     out = benchmark(state.sample, logits, slots, positions, host_slots)
     assert out.token_ids.shape == (batch,)
+    p = BENCH_MODES[mode]
+    if p.temperature == 0.0:
+        assert torch.equal(out.token_ids, logits.argmax(-1))
+        return
+    allowed = allowed_mask(logits, p)
+    assert not allowed.all(), "the filters exclude tokens"
+    assert bool(allowed.gather(1, out.token_ids[:, None]).all()), "a filtered-out token was drawn"
+    if batch > 1:
+        assert not torch.equal(out.token_ids, logits.argmax(-1)), "a real draw, not argmax"
