@@ -166,3 +166,6 @@ def test_bench_fanout_step(benchmark, batch: int) -> None:
 
     benchmark.pedantic(step, setup=drain, rounds=200, warmup_rounds=5)
     assert all(q.qsize() == 1 for q in queues)
+    got = [q.get_nowait()[0] for q in queues]  # (delta, received) items
+    assert [d.request_id for d in got] == [f"3-{i}-0" for i in range(batch)]  # each to its own
+    assert all(d.text == " word" and d.token_ids == [1234] for d in got)

@@ -8,7 +8,7 @@ import pytest
 
 from gapless.core.common.messages import StepPlan
 from gapless.gpu_runner.attention import TorchAttention
-from gapless.gpu_runner.batch import SLOT_MAPPING, PersistentBatch
+from gapless.gpu_runner.batch import POSITIONS, SLOT_MAPPING, PersistentBatch
 from gapless.gpu_runner.graph import capture_sizes, padded_size
 
 BLOCK = 16
@@ -53,3 +53,9 @@ def test_bench_prepare_decode(benchmark, batch):
     inp, meta = benchmark.pedantic(prepare, rounds=50 if batch > 1 else 200)
     assert inp.padded and inp.num_rows == padded_size(batch) and inp.num_sample == batch
     assert meta.all_decode and meta.decode_pages.shape == (inp.num_rows, 32)
+    pos = np.asarray(plan.start_pos)
+    assert pb.column(POSITIONS, batch).tolist() == plan.start_pos
+    # each decode writes its K/V into the block its position falls in (setup's block ids)
+    per_seq = -(-(CONTEXT + 1) // BLOCK)
+    want = (1 + np.arange(batch) * per_seq + pos // BLOCK) * BLOCK + pos % BLOCK
+    assert pb.column(SLOT_MAPPING, batch).tolist() == want.tolist()
