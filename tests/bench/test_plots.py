@@ -56,7 +56,9 @@ def test_plots_are_pngs(tmp_path):
 def test_empty_runs_still_plot(tmp_path):
     run = foreign_run()
     run["samples"] = {}
-    for path in plot_runs([run], [[]], tmp_path):
+    written = plot_runs([run], [[]], tmp_path)
+    assert sorted(p.name for p in written) == ["breakdown.png", "latency_cdf.png"]
+    for path in written:
         assert_png(path, min_bytes=2000)
 
 
