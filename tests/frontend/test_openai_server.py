@@ -105,10 +105,9 @@ def test_seeded_sampling_repeats(client):
         seed=42,
         extra_body={"ignore_eos": True},
     )
-    assert (
-        client.completions.create(**kw).choices[0].text
-        == client.completions.create(**kw).choices[0].text
-    )
+    first, second = client.completions.create(**kw), client.completions.create(**kw)
+    assert first.usage.completion_tokens == second.usage.completion_tokens == 10
+    assert first.choices[0].text == second.choices[0].text
 
 
 def test_32_concurrent_greedy_streams_equal_their_solo_output(client):
