@@ -149,9 +149,6 @@ class CudaBackend(ModelRunner):
         )
         return result
 
-    def execute(self, plan: StepPlan) -> StepResult:
-        return self.collect(self.launch(plan))
-
 
 def _to_host(t: torch.Tensor | None) -> torch.Tensor | None:
     """A pinned copy of t, queued on the current stream."""
