@@ -178,12 +178,6 @@ class ModelRunner:
         self.sampler.record(slots, positions, out.token_ids, host)
         return out
 
-    def forward_plan(self, plan: StepPlan) -> tuple[StepInputs, torch.Tensor]:
-        """begin, prepare and run_model: the step's inputs and its sampling entries' logits."""
-        self.begin(plan)
-        inp, meta = self.prepare(plan)
-        return inp, self.run_model(inp, meta)
-
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
         received = time.perf_counter()

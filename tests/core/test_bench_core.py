@@ -58,4 +58,6 @@ def test_bench_core_apply(benchmark, batch):
         box["out"] = s.update_from_output(box["step"], box["result"])
 
     benchmark.pedantic(apply, setup=plan_next, rounds=50 if batch > 1 else 200)
-    assert len(box["out"].requests) == batch
+    out = box["out"]
+    assert len(out.requests) == batch and out.token_ids == [7] * batch
+    assert out.end_reasons == [""] * batch, "3000-token budgets: nobody ends here"

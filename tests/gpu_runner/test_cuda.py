@@ -12,7 +12,7 @@ import torch
 from gapless.core.common.messages import SamplingParams
 from gapless.gpu_runner.runner import ModelRunner
 from tests.engine_harness import Harness, make_config
-from tests.gpu_runner.test_padding import Plans
+from tests.gpu_runner.test_padding import Plans, forward_plan
 
 transformers = pytest.importorskip("transformers")
 HAS_FLASHINFER = importlib.util.find_spec("flashinfer") is not None
@@ -36,7 +36,7 @@ def _cuda(tiny_model_dir, **overrides):
 def _step(runner, plan) -> tuple[torch.Tensor, list[int]]:
     """The step's logits [B_s, vocab] on the host, and its sampled ids."""
     with torch.inference_mode():
-        inp, logits = runner.forward_plan(plan)
+        inp, logits = forward_plan(runner, plan)
         host = logits.float().cpu()
         return host, runner.sample(inp, logits).token_ids.tolist()
 

@@ -79,11 +79,18 @@ class Plans:
         return plan
 
 
+def forward_plan(runner: ModelRunner, plan: StepPlan):
+    """The runner's step up to the logits: (inputs, [B_s, vocab] logits of the sampling rows)."""
+    runner.begin(plan)
+    inp, meta = runner.prepare(plan)
+    return inp, runner.run_model(inp, meta)
+
+
 def _run(runner: ModelRunner, plans: list[StepPlan]) -> tuple[list, list]:
     tokens, logits = [], []
     with torch.inference_mode():
         for plan in plans:
-            inp, step_logits = runner.forward_plan(plan)
+            inp, step_logits = forward_plan(runner, plan)
             logits.append(step_logits.clone())
             tokens.append(runner.sample(inp, step_logits).token_ids.tolist())
     return tokens, logits
