@@ -14,6 +14,15 @@ def default_gguf() -> Path:
     return default_model_path()
 
 
+def sim_config(model_path, **overrides):
+    """An EngineConfig for the sim device on the default model's tokenizer and context."""
+    from gapless.core.common.config import EngineConfig
+    from gapless.core.common.model_files import resolve_model
+
+    fields = dict(served_model_name="sim", device="sim", max_num_seqs=8, block_size=16)
+    return EngineConfig(model=resolve_model(str(model_path)), **{**fields, **overrides})
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, default_gguf) -> Path:
     """A tiny random Llama as a Hugging Face directory, with SmolLM2's real tokenizer."""

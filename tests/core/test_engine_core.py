@@ -10,9 +10,10 @@ from prometheus_client import CollectorRegistry
 
 from gapless.core.common.config import EngineConfig
 from gapless.core.common.messages import SamplingParams
-from gapless.core.common.model_files import load_tokenizer, resolve_model
+from gapless.core.common.model_files import load_tokenizer
 from gapless.core.metrics import CoreMetrics
 from gapless.gpu_runner.sim import SimBackend
+from tests.conftest import sim_config
 from tests.engine_harness import Harness
 
 PROMPT = list(range(1000, 1040))  # 40 tokens: with 40 outputs, 5 blocks of 16
@@ -20,16 +21,7 @@ PROMPT = list(range(1000, 1040))  # 40 tokens: with 40 outputs, 5 blocks of 16
 
 @pytest.fixture(scope="module")
 def config(default_gguf) -> EngineConfig:
-    return EngineConfig(
-        model=resolve_model(str(default_gguf)),
-        served_model_name="sim",
-        device="sim",
-        sim_profile="h100-llama3-8b",
-        max_num_seqs=4,
-        block_size=16,
-        max_num_batched_tokens=64,
-        seed=5,
-    )
+    return sim_config(default_gguf, max_num_seqs=4, max_num_batched_tokens=64, seed=5)
 
 
 def small_cache_engine(config: EngineConfig, usable_blocks: int, metrics=None) -> Harness:

@@ -10,7 +10,7 @@ import pytest
 
 from gapless.core.common.config import EngineConfig
 from gapless.core.common.messages import NewSlot, SamplingParams, StepPlan
-from gapless.core.common.model_files import load_tokenizer, resolve_model
+from gapless.core.common.model_files import load_tokenizer
 from gapless.gpu_runner.sim import SimBackend
 from gapless.gpu_runner.sim_profiles import (
     GIB,
@@ -21,6 +21,7 @@ from gapless.gpu_runner.sim_profiles import (
     step_cost,
     step_time,
 )
+from tests.conftest import sim_config
 from tests.engine_harness import Harness
 
 # ---------------------------------------------------------------- the timing model (sim)
@@ -88,15 +89,7 @@ def test_kv_blocks_from_memory_and_capped_by_seats():
 
 @pytest.fixture(scope="module")
 def config(default_gguf) -> EngineConfig:
-    return EngineConfig(
-        model=resolve_model(str(default_gguf)),
-        served_model_name="sim",
-        device="sim",
-        sim_profile="h100-llama3-8b-fp8",
-        max_num_seqs=8,
-        block_size=16,
-        seed=3,
-    )
+    return sim_config(default_gguf, sim_profile="h100-llama3-8b-fp8", seed=3)
 
 
 class Planner:
