@@ -133,7 +133,7 @@ class EngineCore:
         return EngineStats(
             token=token,
             num_running=len(s.running),
-            num_waiting=len(s.waiting),
+            num_waiting=s.num_waiting,
             num_free_blocks=s.blocks.num_free,
             num_total_blocks=s.blocks.num_usable,
         )

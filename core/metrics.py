@@ -186,7 +186,7 @@ class CoreMetrics:
         blocks = scheduler.blocks
         now = (
             len(scheduler.running),
-            len(scheduler.waiting),
+            scheduler.num_waiting,
             blocks.num_usable - blocks.num_free,
             blocks.num_usable,
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from enum import Enum
 from typing import TYPE_CHECKING
 
@@ -61,6 +62,12 @@ class Request:
         "prompt_ids",
         "params",
         "arrival_time",
+        "tenant",
+        "priority",
+        "seq",
+        "queued_at",
+        "tenant_id",
+        "prompt_charged",
         "limit",
         "status",
         "slot",
@@ -70,12 +77,18 @@ class Request:
         "_pending",
     )
 
-    def __init__(self, msg: AddRequest, batch: RunningBatch) -> None:
+    def __init__(self, msg: AddRequest, batch: RunningBatch, seq: int) -> None:
         self.request_id = msg.request_id
         self.frontend_id = msg.frontend_id
         self.prompt_ids = msg.prompt_token_ids
         self.params: SamplingParams = msg.params
         self.arrival_time = msg.arrival_time  # time.time() at the frontend
+        self.tenant = msg.tenant
+        self.priority = msg.priority  # lower runs sooner
+        self.seq = seq  # arrival order in the core: a request's place in line
+        self.queued_at = time.monotonic()  # when it reached the core (aging counts from here)
+        self.tenant_id = 0  # the policy's index of the tenant
+        self.prompt_charged = 0  # prompt tokens charged to the tenant (a recompute is free)
         self.limit = int(
             length_limit(len(msg.prompt_token_ids), msg.params.max_tokens, batch.max_model_len)
         )

@@ -28,6 +28,7 @@ class RunningBatch:
         self.ignore_eos = np.zeros(s, bool)
         self.has_stop_ids = np.zeros(s, bool)
         self.wants_logprobs = np.zeros(s, bool)
+        self.tenant_id = np.zeros(s, np.int64)  # the scheduling policy's tenant index
         self.out = np.zeros((s, max_model_len), np.int64)  # [slot, output index] ids
         self.max_model_len = max_model_len
 
@@ -57,6 +58,7 @@ class RunningBatch:
         self.ignore_eos[slot] = req.params.ignore_eos
         self.has_stop_ids[slot] = bool(req.params.stop_token_ids)
         self.wants_logprobs[slot] = req.params.logprobs is not None
+        self.tenant_id[slot] = req.tenant_id
 
     def append(self, slots: np.ndarray, tokens: np.ndarray) -> None:
         """One sampled id for each slot's request: [R] slots, [R] ids."""

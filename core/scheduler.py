@@ -9,13 +9,13 @@ applied with array operations over the batch.
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from gapless.core.common.messages import AddRequest, NewSlot, SampleLogprobs, StepPlan, StepResult
 from gapless.core.kv_blocks import BlockManager, SlotManager
+from gapless.core.policy import Policy
 from gapless.core.request import Request, Status, check_stop
 from gapless.core.running import RunningBatch
 
@@ -55,6 +55,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         eos_token_ids: tuple[int, ...],
+        policy: Policy | None = None,
     ) -> None:
         self.blocks = BlockManager(num_blocks, block_size)
         self.slots = SlotManager(max_num_seqs)
@@ -63,21 +64,34 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self._eos = np.asarray(eos_token_ids, np.int64)
-        self.waiting: deque[Request] = deque()
+        self.policy = Policy() if policy is None else policy  # which request next, whom to preempt
+        self._parked: list[Request] = []  # preempted with samples in flight: wait for them
         self.running: list[Request] = []  # admission order; the newest is preempted first
         self._run_slots: np.ndarray | None = None  # slots of `running`, rebuilt on change
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self._num_added = 0
         self._seq = 0
 
     # ------------------------------------------------------------------ requests in and out
 
     def add_request(self, msg: AddRequest) -> Request:
-        req = Request(msg, self.rb)
+        self._num_added += 1
+        req = Request(msg, self.rb, self._num_added)
         assert req.request_id not in self.requests, f"duplicate request id {req.request_id}"
+        req.tenant_id = self.policy.tenant_id(req.tenant)
         self.requests[req.request_id] = req
-        self.waiting.append(req)
+        self.policy.add(req)
         return req
+
+    @property
+    def waiting(self) -> list[Request]:
+        """Requests waiting for a seat, in arrival order (preempted ones included)."""
+        return sorted([*self.policy, *self._parked], key=lambda r: r.seq)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.policy) + len(self._parked)
 
     def fits_ever(self, req: Request) -> str | None:
         """Why a request could never run on this engine, or None."""
@@ -96,19 +110,25 @@ class Scheduler:
             return False
         if req.status is Status.RUNNING:
             self._leave_slot(req)
+        elif req in self._parked:
+            self._parked.remove(req)
         else:
-            self.waiting.remove(req)
+            self.policy.remove(req)
         req.status = Status.FINISHED
         if req.num_pending == 0:
             del self.requests[req.request_id]
         return True
 
     def preempt(self, req: Request) -> None:
-        """Free a running request's KV and slot; it recomputes later, first in line."""
+        """Free a running request's KV and slot; it recomputes later from its place in line,
+        once the samples still in flight for it have arrived."""
         self._leave_slot(req)
         req.status = Status.WAITING
         self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        if req.num_pending:
+            self._parked.append(req)
+        else:
+            self.policy.add(req)
 
     def _leave_slot(self, req: Request) -> None:
         self.running.remove(req)
@@ -121,11 +141,13 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.running or self.waiting)
+        return bool(self.running or self.policy or self._parked)
 
     # ------------------------------------------------------------------ planning
 
     def schedule(self) -> ScheduledStep | None:
+        if self.policy.ranks_by_priority:
+            self._preempt_for_priority()
         run_slots, run_take = self._plan_running()
         budget = self.max_num_batched_tokens - int(run_take.sum())
         new_slots, adm_slots, adm_take = self._admit(budget)
@@ -163,26 +185,38 @@ class Scheduler:
                 rb.num_blocks[rs] += grow
                 keep = take > 0
                 return rs[keep], take[keep]
-            self.preempt(self.running[-1])
+            self.preempt(self.policy.victim(self.running))
         return _EMPTY, _EMPTY
 
+    def _preempt_for_priority(self) -> None:
+        """While the next waiting request outranks a running one and lacks a seat or the KV
+        blocks of its first chunk, preempt the running request the policy gives up first."""
+        while self.running and (nxt := self.policy.peek()) is not None:
+            victim = self.policy.victim(self.running)
+            if not self.policy.outranks(nxt, victim):
+                return
+            first_chunk = min(nxt.num_tokens, self.max_num_batched_tokens)
+            has_seat = len(self.running) < self.max_num_seqs
+            if has_seat and self.blocks.can_allocate(self.blocks.blocks_for(first_chunk)):
+                return
+            self.preempt(victim)
+
     def _admit(self, budget: int) -> tuple[list[NewSlot], np.ndarray, np.ndarray]:
-        """Waiting requests in order take seats while the budget and KV blocks last; a
-        preempted one waits until its tokens in flight are known."""
+        """Waiting requests take seats in the policy's order while the budget and KV blocks
+        last."""
         new_slots: list[NewSlot] = []
         slots: list[int] = []
         takes: list[int] = []
-        skipped: list[Request] = []
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self.waiting[0]
-            if req.num_pending:
-                skipped.append(self.waiting.popleft())
-                continue
+        policy = self.policy
+        while budget > 0 and len(self.running) < self.max_num_seqs:
+            req = policy.peek()
+            if req is None:
+                break
             n = min(req.num_tokens, budget)
             nb = self.blocks.blocks_for(n)
             if not self.blocks.can_allocate(nb):
                 break
-            self.waiting.popleft()
+            policy.remove(req)
             req.status = Status.RUNNING
             self.rb.admit(req, self.slots.allocate())
             req.blocks = self.blocks.allocate(nb)
@@ -195,7 +229,6 @@ class Scheduler:
             slots.append(req.slot)
             takes.append(n)
             budget -= n
-        self.waiting.extendleft(reversed(skipped))
         return new_slots, np.asarray(slots, np.int64), np.asarray(takes, np.int64)
 
     def _build(self, slots, take, new_slots, freed) -> ScheduledStep:
@@ -206,7 +239,12 @@ class Scheduler:
         token_ids: list[int] = []
         for j in np.flatnonzero(has_tokens):  # prompt chunks and recomputes: a few per step
             req = rb.req[slots[j]]
-            token_ids.extend(req.known_tokens(int(start[j]), int(start[j] + take[j])))
+            end = int(start[j] + take[j])
+            token_ids.extend(req.known_tokens(int(start[j]), end))
+            computed = min(end, req.num_prompt)
+            if computed > req.prompt_charged:  # prompt tokens are charged once, when computed
+                self.policy.charge_prompt(req, computed - req.prompt_charged)
+                req.prompt_charged = computed
         assert (take[~has_tokens] == 1).all(), "a device-fed entry has one token"
         new_count = rb.num_blocks[slots] - rb.num_sent[slots]
         new_blocks: list[int] = []
@@ -252,6 +290,7 @@ class Scheduler:
         rows = np.flatnonzero(live)
         s, t = slots[rows], tokens[rows]
         rb.append(s, t)
+        self.policy.charge_outputs(rb.tenant_id[s])
         requests = [step.sampled[j] for j in rows.tolist()]
         has_stop_ids = rb.has_stop_ids[s]
         reasons, ended = check_stop(
@@ -291,6 +330,10 @@ class Scheduler:
                     del self.requests[req.request_id]
             else:
                 req.apply_off_slot(int(tokens[j]))
+                self.policy.charge_outputs(np.asarray([req.tenant_id]))
+                if req.num_pending == 0 and not req.finished:
+                    self._parked.remove(req)
+                    self.policy.add(req)
                 kept.append(j)
         return np.asarray(kept, np.int64)
 

@@ -10,7 +10,6 @@ import sys
 import textwrap
 import threading
 import time
-from collections import deque
 from types import SimpleNamespace
 
 import httpx
@@ -169,13 +168,13 @@ def test_queue_gauges_and_preemptions() -> None:
     registry = CollectorRegistry()
     m = CoreMetrics(registry)
     blocks = SimpleNamespace(num_free=90, num_usable=100)
-    sched = SimpleNamespace(running=[1, 2], waiting=deque([3]), blocks=blocks, num_preemptions=0)
+    sched = SimpleNamespace(running=[1, 2], num_waiting=1, blocks=blocks, num_preemptions=0)
     m.observe_queues(sched)  # type: ignore[arg-type]
     assert _value(registry, "gapless_requests_running") == 2
     assert _value(registry, "gapless_requests_waiting") == 1
     assert _value(registry, "gapless_kv_blocks_used") == 10
     assert _value(registry, "gapless_kv_blocks_total") == 100
-    sched.running, sched.waiting, sched.num_preemptions = [], deque(), 3
+    sched.running, sched.num_waiting, sched.num_preemptions = [], 0, 3
     blocks.num_free = 100
     m.observe_queues(sched)  # type: ignore[arg-type]
     assert _value(registry, "gapless_requests_running") == 0

@@ -1,0 +1,208 @@
+"""Scheduling policies: which waiting request runs next and which running request is preempted.
+
+The scheduler is the mechanism (token budget, chunked prefill, KV blocks, seats, the pipeline)
+and asks a policy only these questions. Three policies:
+
+- `fcfs`: arrival order; the newest running request is preempted first.
+- `priority`: lower `priority` first, arrival order within a class; a waiting request of a
+  lower number that cannot get a seat or KV blocks preempts the running request with the
+  highest number (newest first).
+- `fair` (the default): `priority` across classes; within a class, the backlogged tenant with
+  the least weighted service goes first (virtual token counters, VTC): a tenant is charged its
+  prompt tokens when they are computed (a recompute after preemption is free) and
+  `output_weight` per sampled token, each divided by its weight. A tenant that comes back from
+  idle is lifted to the least counter among the backlogged ones, so it banks no credit.
+  A tenant's requests keep their arrival order.
+
+Every policy ages: a request that has waited `aging_s` seconds is admitted before any newer
+one, whatever its class or tenant. That bounds how long the lowest class can starve.
+
+A waiting request's place is its arrival number (`Request.seq`), so a preempted request goes
+back to its place in line, not to the back.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections.abc import Callable, Iterator
+
+import numpy as np
+
+from gapless.core.request import Request
+
+_BY_SEQ = lambda r: r.seq  # noqa: E731
+
+
+class Policy:
+    """FCFS, and the queue every policy keeps: waiting requests in arrival order."""
+
+    name = "fcfs"
+    ranks_by_priority = False
+
+    def __init__(self, aging_s: float = 30.0, clock: Callable[[], float] = time.monotonic):
+        self.aging_s = aging_s
+        self.clock = clock
+        self._queue: list[Request] = []  # every waiting request, by seq
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._queue)
+
+    def add(self, req: Request) -> None:
+        """A request joins, new or back from preemption (it keeps its place)."""
+        bisect.insort(self._queue, req, key=_BY_SEQ)
+
+    def remove(self, req: Request) -> None:
+        """Admitted, or ended while waiting."""
+        del self._queue[bisect.bisect_left(self._queue, req.seq, key=_BY_SEQ)]
+
+    def peek(self) -> Request | None:
+        """The request to admit next, or None."""
+        return self._queue[0] if self._queue else None
+
+    def _aged(self) -> Request | None:
+        oldest = self._queue[0] if self._queue else None
+        if oldest is not None and self.clock() - oldest.queued_at >= self.aging_s:
+            return oldest
+        return None
+
+    def victim(self, running: list[Request]) -> Request:
+        """Whom to preempt when KV blocks run out: the newest admitted."""
+        return running[-1]
+
+    def outranks(self, waiting: Request, running: Request) -> bool:
+        """May `waiting` preempt `running` to get a seat or KV blocks?"""
+        return False
+
+    # service accounting: only `fair` keeps it
+    def tenant_id(self, tenant: str) -> int:
+        return 0
+
+    def charge_prompt(self, req: Request, num_tokens: int) -> None:
+        pass
+
+    def charge_outputs(self, tenant_ids: np.ndarray) -> None:
+        pass
+
+
+class PriorityPolicy(Policy):
+    name = "priority"
+    ranks_by_priority = True
+
+    def __init__(self, aging_s: float = 30.0, clock: Callable[[], float] = time.monotonic):
+        super().__init__(aging_s, clock)
+        self._classes: dict[int, list[Request]] = {}  # priority -> its waiting requests, by seq
+
+    def add(self, req: Request) -> None:
+        super().add(req)
+        bisect.insort(self._classes.setdefault(req.priority, []), req, key=_BY_SEQ)
+
+    def remove(self, req: Request) -> None:
+        super().remove(req)
+        queue = self._classes[req.priority]
+        del queue[bisect.bisect_left(queue, req.seq, key=_BY_SEQ)]
+        if not queue:
+            del self._classes[req.priority]
+
+    def peek(self) -> Request | None:
+        if not self._queue:
+            return None
+        return self._aged() or self._pick(min(self._classes))
+
+    def _pick(self, priority: int) -> Request:
+        """The next request of one class."""
+        return self._classes[priority][0]
+
+    def victim(self, running: list[Request]) -> Request:
+        return max(running, key=lambda r: (r.priority, r.seq))
+
+    def outranks(self, waiting: Request, running: Request) -> bool:
+        return waiting.priority < running.priority
+
+
+class FairPolicy(PriorityPolicy):
+    name = "fair"
+
+    def __init__(
+        self,
+        weights: dict[str, float] | None = None,
+        output_weight: float = 2.0,
+        aging_s: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__(aging_s, clock)
+        self.output_weight = output_weight
+        self._weights = dict(weights or {})  # tenant -> weight; unknown tenants weigh 1
+        self._ids: dict[str, int] = {}  # tenant -> index into the arrays below
+        self.tenants: list[str] = []
+        self.counters = np.zeros(0)  # [T] weighted service: tokens / weight
+        self._inv_weight = np.zeros(0)  # [T] 1 / weight
+        self._backlog = np.zeros(0, np.int64)  # [T] waiting requests per tenant
+        # priority -> tenant id -> that tenant's waiting requests of the class, by seq
+        self._tenant_queues: dict[int, dict[int, list[Request]]] = {}
+
+    def tenant_id(self, tenant: str) -> int:
+        t = self._ids.get(tenant)
+        if t is None:
+            t = self._ids[tenant] = len(self.tenants)
+            self.tenants.append(tenant)
+            self.counters = np.append(self.counters, 0.0)
+            self._inv_weight = np.append(self._inv_weight, 1.0 / self._weights.get(tenant, 1.0))
+            self._backlog = np.append(self._backlog, 0)
+        return t
+
+    def add(self, req: Request) -> None:
+        t = req.tenant_id
+        if self._backlog[t] == 0:  # back from idle: no banked credit
+            others = self._backlog > 0
+            if others.any():
+                self.counters[t] = max(self.counters[t], self.counters[others].min())
+        self._backlog[t] += 1
+        super().add(req)
+        queues = self._tenant_queues.setdefault(req.priority, {})
+        bisect.insort(queues.setdefault(t, []), req, key=_BY_SEQ)
+
+    def remove(self, req: Request) -> None:
+        super().remove(req)
+        t = req.tenant_id
+        self._backlog[t] -= 1
+        queues = self._tenant_queues[req.priority]
+        queue = queues[t]
+        del queue[bisect.bisect_left(queue, req.seq, key=_BY_SEQ)]
+        if not queue:
+            del queues[t]
+            if not queues:
+                del self._tenant_queues[req.priority]
+
+    def _pick(self, priority: int) -> Request:
+        """The oldest request of the least-served tenant in this class (ties: the oldest)."""
+        counters = self.counters
+        queues = self._tenant_queues[priority].values()
+        return min(queues, key=lambda q: (counters[q[0].tenant_id], q[0].seq))[0]
+
+    def charge_prompt(self, req: Request, num_tokens: int) -> None:
+        self.counters[req.tenant_id] += num_tokens * self._inv_weight[req.tenant_id]
+
+    def charge_outputs(self, tenant_ids: np.ndarray) -> None:
+        """One sampled token for each entry of tenant_ids [R]."""
+        n = len(self.counters)
+        tokens = np.bincount(tenant_ids, minlength=n)[:n]
+        self.counters += tokens * self.output_weight * self._inv_weight
+
+
+def make_policy(
+    name: str,
+    weights: dict[str, float] | None = None,
+    output_weight: float = 2.0,
+    aging_s: float = 30.0,
+) -> Policy:
+    if name == "fcfs":
+        return Policy(aging_s)
+    if name == "priority":
+        return PriorityPolicy(aging_s)
+    if name == "fair":
+        return FairPolicy(weights, output_weight, aging_s)
+    raise ValueError(f"unknown scheduling policy {name!r}: fair, priority or fcfs")
