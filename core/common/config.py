@@ -3,13 +3,41 @@
 from __future__ import annotations
 
 import os
+import re
 from typing import Annotated, Literal
 
 import msgspec
 
 Device = Literal["cpu", "sim", "cuda"]
 DType = Literal["bfloat16", "float32", "float16"]
+SchedulingPolicy = Literal["fair", "priority", "fcfs"]
 NOT_A_FLAG = msgspec.Meta(extra={"flag": False})  # a field `gapless serve` has no flag for
+
+# a request's priority: lower runs sooner (vLLM's convention); names are aliases
+PRIORITY_NAMES = {"interactive": -10, "default": 0, "batch": 10}
+MIN_PRIORITY, MAX_PRIORITY = -1000, 1000
+MAX_TENANT_CHARS = 256
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")  # Unicode category Cc
+
+
+def priority_value(value: int | str) -> int:
+    """The integer of a priority given as an integer or a name; ValueError says what is allowed."""
+    if isinstance(value, str) and value in PRIORITY_NAMES:
+        return PRIORITY_NAMES[value]
+    if isinstance(value, int) and MIN_PRIORITY <= value <= MAX_PRIORITY:
+        return value
+    names = ", ".join(PRIORITY_NAMES)
+    raise ValueError(
+        f"must be an integer from {MIN_PRIORITY} to {MAX_PRIORITY} or one of {names}; got {value!r}"
+    )
+
+
+def check_tenant_name(name: str) -> None:
+    """ValueError unless name can be a tenant: short, without control characters."""
+    if len(name) > MAX_TENANT_CHARS:
+        raise ValueError(f"is longer than {MAX_TENANT_CHARS} characters")
+    if _CONTROL.search(name):
+        raise ValueError("holds a control character")
 
 
 class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
@@ -25,14 +53,22 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
     chat_template: str | None = None
 
 
+class TenantSpec(msgspec.Struct, frozen=True, kw_only=True):
+    """What the operator set for one tenant (--api-keys-file, --tenant-weight)."""
+
+    weight: float = 1.0  # its fair share relative to other tenants' weights; > 0
+    priority: int = 0  # of its requests that send none
+    max_queued_requests: int | None = None  # cap on its waiting requests (not enforced yet)
+
+
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     """Everything a gapless process needs; nobody mutates it after spawn.
 
     Every field is a `gapless serve` flag unless marked NOT_A_FLAG; core/launch/cli.py generates
     them: `--field-name`, or `--no-field-name` for a bool that defaults to True, the description
-    is the help. Meta(extra=...) keys: flag (the flag's name without `--`), parse, choices and
-    default (hooks cli.py resolves by name, so this shared module imports no role), env (the
-    default comes from this environment variable).
+    is the help. Meta(extra=...) keys: flag (the flag's name without `--`), metavar, parse,
+    choices and default (hooks cli.py resolves by name, so this shared module imports no role),
+    env (the default comes from this environment variable).
     """
 
     model: Annotated[ModelInfo, NOT_A_FLAG]
@@ -58,6 +94,30 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             "(off: one step at a time, for A/B runs)"
         ),
     ] = True
+    scheduling_policy: Annotated[
+        SchedulingPolicy,
+        msgspec.Meta(
+            description="which waiting request runs next: fair = per-tenant fair share within "
+            "priority classes; priority = strict priority, first come first served within a "
+            "class; fcfs = arrival order"
+        ),
+    ] = "fair"
+    fair_output_weight: Annotated[
+        float,
+        msgspec.Meta(
+            description="an output token costs this many prompt tokens of a tenant's fair share",
+            ge=0,
+        ),
+    ] = 2.0
+    priority_aging_s: Annotated[
+        float,
+        msgspec.Meta(
+            description="seconds after which a waiting request is admitted before any newer "
+            "one, whatever its priority or tenant: the bound on starvation",
+            gt=0,
+            extra={"flag": "priority-aging"},
+        ),
+    ] = 30.0
     # runner
     threads: Annotated[
         int,
@@ -116,6 +176,24 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     ] = 30.0
     # how long /health says 503 before serve exits
     dead_engine_grace_s: Annotated[float, NOT_A_FLAG] = 3.0
+    # tenants (cli.py adds --tenant-weight NAME=W, which sets TenantSpec.weight)
+    api_keys_file: Annotated[
+        str | None,
+        msgspec.Meta(
+            description='JSON object of API keys: {"KEY": "TENANT"} or {"KEY": {"tenant": ..., '
+            '"weight": ..., "priority": ..., "max_queued_requests": ...}}; a request needs one '
+            "of them (or --api-key) and its tenant is its key's",
+            extra={"metavar": "FILE"},
+        ),
+    ] = None
+    api_keys: Annotated[dict[str, str], NOT_A_FLAG] = {}  # key -> tenant, from api_keys_file
+    # every tenant the keys file or --tenant-weight names; any other weighs 1, priority 0
+    tenants: Annotated[dict[str, TenantSpec], NOT_A_FLAG] = {}
+
+    @property
+    def tenant_weights(self) -> dict[str, float]:
+        """tenant -> weight of every tenant in `tenants`; any other weighs 1."""
+        return {name: spec.weight for name, spec in self.tenants.items()}
 
     def ipc(self, name: str) -> str:
         """ZMQ address of one named socket inside the run directory."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import sys
@@ -14,9 +15,13 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec.structs import FieldInfo
 
-from gapless.core.common.config import EngineConfig
+from gapless.core.common.config import EngineConfig, TenantSpec, check_tenant_name, encode_config
+from gapless.core.launch.keys_file import read_keys_file
 from gapless.gpu_runner.sim_profiles import list_profiles
 
+# why: the config reaches every process in one environment variable, which Linux caps at
+# 128 KiB (MAX_ARG_STRLEN), name included
+MAX_CONFIG_BYTES = 128 * 2**10 - 64
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "ki": 2**10, "mi": 2**20, "gi": 2**30}
 
 
@@ -40,6 +45,21 @@ def default_threads() -> int:
     # measured on 2 cores, 32 x 128:128 through HTTP: 2 threads 133.7 tok/s, 1 thread 106.8 tok/s;
     # the other roles are light and run at lower priority, so the runner takes every core
     return max(1, os.cpu_count() or 1)
+
+
+def parse_tenant_weight(text: str) -> tuple[str, float]:
+    """'acme=2' -> ('acme', 2.0)."""
+    name, _, weight = text.rpartition("=")
+    try:
+        value = float(weight)
+        check_tenant_name(name)
+    except ValueError:
+        value = math.nan
+    if not name or not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(
+            f"expected NAME=W, a tenant name and a positive weight, got {text!r}"
+        )
+    return name, value
 
 
 # hooks a field's Meta(extra=...) names, resolved here so that config.py imports no role
@@ -109,7 +129,7 @@ def add_config_flags(p: argparse.ArgumentParser, cls: type[msgspec.Struct] = Eng
         p.add_argument(
             name,
             dest=field.name,
-            metavar=None if choices else name[2:].upper().replace("-", "_"),
+            metavar=None if choices else extra.get("metavar", name[2:].upper().replace("-", "_")),
             type=parse if choices else _checked(parse, field.type),  # argparse names choices
             # a string default goes through type: "512MiB" -> 536870912
             default=show(default) if "parse" in extra else default,
@@ -128,6 +148,15 @@ def add_serve_args(p: argparse.ArgumentParser, cls: type[EngineConfig] = EngineC
         "--max-model-len", type=int, help="cap on the model's context length (default: none)"
     )
     add_config_flags(p, cls)
+    # why by hand: a repeated flag that fills EngineConfig.tenants with --api-keys-file
+    p.add_argument(
+        "--tenant-weight",
+        action="append",
+        metavar="NAME=W",
+        type=parse_tenant_weight,
+        help="the tenant NAME gets W times the fair share of a tenant of weight 1; repeat it for "
+        "more tenants; overrides the keys file's weight (default: every tenant weighs 1)",
+    )
 
 
 def config_from_args(
@@ -136,6 +165,9 @@ def config_from_args(
     from gapless.core.common.model_cache import DEFAULT_NAME
     from gapless.core.common.model_files import resolve_model
 
+    keys, tenants = read_keys_file(args.api_keys_file) if args.api_keys_file else ({}, {})
+    for tenant, weight in args.tenant_weight or ():
+        tenants[tenant] = msgspec.structs.replace(tenants.get(tenant, TenantSpec()), weight=weight)
     info = resolve_model(args.model, args.max_model_len)
     if args.served_model_name:
         name = args.served_model_name
@@ -144,7 +176,14 @@ def config_from_args(
     else:
         name = DEFAULT_NAME
     flags = {field.name: getattr(args, field.name) for field, _, _ in config_flags(cls)}
-    return cls(model=info, served_model_name=name, **flags)
+    config = cls(model=info, served_model_name=name, api_keys=keys, tenants=tenants, **flags)
+    size = len(encode_config(config).encode())
+    if size > MAX_CONFIG_BYTES:
+        raise ValueError(
+            f"the configuration is {size} bytes, more than the {MAX_CONFIG_BYTES} that can reach "
+            f"the engine processes ({len(keys)} API keys, {len(tenants)} tenants)"
+        )
+    return config
 
 
 def main(argv: list[str] | None = None) -> None:

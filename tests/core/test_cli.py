@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -12,8 +13,14 @@ import msgspec
 import pytest
 
 from gapless.core.common import model_files
-from gapless.core.common.config import EngineConfig, ModelInfo, decode_config, encode_config
-from gapless.core.launch.cli import add_serve_args, config_from_args, default_threads
+from gapless.core.common.config import (
+    EngineConfig,
+    ModelInfo,
+    TenantSpec,
+    decode_config,
+    encode_config,
+)
+from gapless.core.launch.cli import add_serve_args, config_from_args, default_threads, main
 
 MODEL = ModelInfo(
     path="m.gguf", architecture="llama", vocab_size=10, max_model_len=64, eos_token_ids=(2,)
@@ -30,6 +37,9 @@ FLAGS = {
     "--block-size": "16",
     "--kv-cache-memory": "512MiB",
     "--no-overlap": "on",
+    "--scheduling-policy {fair,priority,fcfs}": "fair",
+    "--fair-output-weight": "2.0",
+    "--priority-aging": "30.0",
     "--threads": str(default_threads()),
     "--seed": "0",
     "--sim-profile": "h100-llama3-8b",
@@ -42,6 +52,8 @@ FLAGS = {
     "--max-logprobs": "20",
     "--max-n": "8",
     "--drain-timeout": "30.0",
+    "--api-keys-file FILE": None,
+    "--tenant-weight NAME=W": "every tenant weighs 1",
 }
 WIDE = "1000"  # columns, so no help line wraps
 
@@ -175,9 +187,136 @@ def test_counts_below_one_are_refused(flag, capsys):
         (["--sim-profile", "x"], "argument --sim-profile: invalid choice: 'x'"),
         (["--port", "http"], "argument --port: invalid int value: 'http'"),
         (["--kv-cache-memory", "lots"], "argument --kv-cache-memory: not a size: 'lots'"),
+        (["--scheduling-policy", "lottery"], "argument --scheduling-policy: invalid choice"),
+        (["--priority-aging", "0"], "argument --priority-aging: Expected `float` > 0.0"),
+        (["--fair-output-weight", "-1"], "argument --fair-output-weight: Expected `float` >= 0"),
     ],
 )
 def test_bad_values_name_the_flag(argv, error, capsys):
     with pytest.raises(SystemExit):
         serve_config(*argv)
     assert error in capsys.readouterr().err
+
+
+def test_scheduling_flags_become_fields():
+    config = serve_config(
+        "--scheduling-policy", "fcfs", "--fair-output-weight", "1", "--priority-aging", "5"
+    )
+    assert config.scheduling_policy == "fcfs"
+    assert (config.fair_output_weight, config.priority_aging_s) == (1.0, 5.0)
+    defaults = serve_config()
+    assert (defaults.scheduling_policy, defaults.fair_output_weight) == ("fair", 2.0)
+    assert (defaults.priority_aging_s, defaults.tenants, defaults.api_keys) == (30.0, {}, {})
+
+
+def test_tenant_weights_fill_tenants():
+    config = serve_config(
+        "--tenant-weight", "a=2", "--tenant-weight", "b=0.5", "--tenant-weight", "x=y=3"
+    )
+    assert config.tenants == {
+        "a": TenantSpec(weight=2.0),
+        "b": TenantSpec(weight=0.5),
+        "x=y": TenantSpec(weight=3.0),
+    }
+    assert config.tenant_weights == {"a": 2.0, "b": 0.5, "x=y": 3.0}
+    assert decode_config(encode_config(config)) == config
+
+
+@pytest.mark.parametrize("value", ["x", "a=", "=2", "a=0", "a=-1", "a=nan", "a=inf", "a\x01=1"])
+def test_bad_tenant_weight_names_the_flag(value, capsys):
+    with pytest.raises(SystemExit) as e:
+        serve_config("--tenant-weight", value)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --tenant-weight: expected NAME=W" in err and repr(value) in err
+
+
+def write_keys(tmp_path, data) -> str:
+    path = tmp_path / "keys.json"
+    path.write_text(data if isinstance(data, str) else json.dumps(data))
+    return str(path)
+
+
+def test_keys_file_fills_keys_and_tenants(tmp_path):
+    path = write_keys(
+        tmp_path,
+        {
+            "sk-a1": "acme",
+            "sk-a2": {"tenant": "acme", "weight": 2, "priority": "interactive"},
+            "sk-a3": {"tenant": "acme", "max_queued_requests": 100, "weight": 2.0},
+            "sk-b1": {"tenant": "beta", "priority": 10},
+            "sk-c1": "cats",
+        },
+    )
+    config = serve_config(
+        "--api-keys-file", path, "--tenant-weight", "beta=3", "--tenant-weight", "d=4"
+    )
+    assert config.api_keys == {
+        "sk-a1": "acme",
+        "sk-a2": "acme",
+        "sk-a3": "acme",
+        "sk-b1": "beta",
+        "sk-c1": "cats",
+    }
+    assert config.tenants == {
+        "acme": TenantSpec(weight=2.0, priority=-10, max_queued_requests=100),
+        "beta": TenantSpec(weight=3.0, priority=10),  # --tenant-weight wins
+        "cats": TenantSpec(),
+        "d": TenantSpec(weight=4.0),
+    }
+    assert config.api_keys_file == path
+    assert decode_config(encode_config(config)) == config
+
+
+KEYS_FILE_ERRORS = [
+    ('{"k1": "a", "k2": {"tenant": "b", "weight": 0}}', "entry 2: weight must be a positive"),
+    ('{"k1": {"tenant": "b", "weight": -1}}', "entry 1: weight must be a positive"),
+    ('{"k1": {"tenant": "b", "wieght": 2}}', "entry 1: Object contains unknown field `wieght`"),
+    ('{"k1": {"weight": 2}}', "entry 1: Object missing required field `tenant`"),
+    ('{"k1": 3}', "entry 1: Expected `str | object`, got `int`"),
+    ('{"": "a"}', "entry 1: a key must be visible ASCII"),
+    ('{"k1": "a", "k 2": "a"}', "entry 2: a key must be visible ASCII"),
+    ('{"k1": ""}', "entry 1: the tenant name is empty"),
+    ('{"k1": "a\\u0007"}', "entry 1: the tenant name holds a control character"),
+    ('{"k1": {"tenant": "a", "priority": 1001}}', "entry 1: priority must be an integer from"),
+    ('{"k1": {"tenant": "a", "priority": "urgent"}}', "entry 1: priority must be an integer from"),
+    ('{"k1": {"tenant": "a", "priority": 1.5}}', "entry 1: Expected `int | str | null`"),
+    ('{"k1": {"tenant": "a", "max_queued_requests": 0}}', "entry 1: Expected `int` >= 1"),
+    (
+        '{"k1": {"tenant": "a", "weight": 2}, "k2": "a", "k3": {"tenant": "a", "weight": 3}}',
+        "entries 1 and 3 give tenant 'a' different weight values (2.0 and 3.0)",
+    ),
+    (
+        '{"k1": {"tenant": "a", "priority": "batch"}, "k2": {"tenant": "a", "priority": 0}}',
+        "entries 1 and 2 give tenant 'a' different priority values (10 and 0)",
+    ),
+    ("{}", "holds no keys"),
+    ('["k1"]', "not a JSON object of keys"),
+    ('{"k1": "a",}', "not a JSON object of keys"),
+]
+
+
+@pytest.mark.parametrize("text, error", KEYS_FILE_ERRORS)
+def test_keys_file_errors_name_the_file_and_entry(tmp_path, text, error):
+    path = write_keys(tmp_path, text)
+    with pytest.raises(ValueError) as e:
+        serve_config("--api-keys-file", path)
+    assert str(e.value).startswith(f"--api-keys-file {path}: "), e.value
+    assert error in str(e.value)
+    assert "k1" not in str(e.value)  # the secret keys themselves are never printed
+
+
+def test_serve_exits_2_on_a_bad_keys_file(tmp_path, capsys):
+    bad = write_keys(tmp_path, '{"k1": {"tenant": "a", "weight": 0}}')
+    missing = str(tmp_path / "missing.json")
+    for path, error in ((bad, "entry 1: weight must be"), (missing, "cannot read it: No such")):
+        with pytest.raises(SystemExit) as e:
+            main(["serve", "--api-keys-file", path])
+        assert e.value.code == 2
+        assert capsys.readouterr().err.startswith(f"gapless: --api-keys-file {path}: {error}")
+
+
+def test_a_config_too_large_for_the_environment_is_refused(tmp_path):
+    path = write_keys(tmp_path, {f"sk-{i:020d}": f"tenant-{i}" for i in range(4000)})
+    with pytest.raises(ValueError, match="4000 API keys, 4000 tenants"):
+        serve_config("--api-keys-file", path)
