@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -25,11 +23,12 @@ from gapless.frontend.errors import ApiError
 from gapless.frontend.openapi import openapi_document
 from gapless.frontend.responses import Health, ModelCard, ModelList
 from gapless.frontend.state import FrontendState
+from gapless.frontend.tenants import ANONYMOUS, ApiKeys, Caller
 
 log = logging.getLogger("gapless.frontend")
 T = TypeVar("T")
 
-Handler = Callable[[HttpRequest, Responder, str], Awaitable[None]]
+Handler = Callable[[HttpRequest, Responder, Caller], Awaitable[None]]
 # answered without an API key: probes and scrapers, which operators keep on a private network
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 
@@ -39,12 +38,7 @@ class App:
 
     def __init__(self, state: FrontendState) -> None:
         self.state = state
-        config = state.config
-        self._key = config.api_key.encode() if config.api_key else None
-        # tenant of a request that names none: who holds the key, not the key itself
-        self._key_identity = (
-            "key-" + hashlib.sha256(self._key).hexdigest()[:12] if self._key is not None else ""
-        )
+        self._keys = ApiKeys(state.config)
         self._created = int(time.time())
         self._openapi = msgspec.Raw(encoder.encode(openapi_document("gapless", "0.1.0")))
         self.routes: dict[str, dict[str, Handler]] = {
@@ -80,7 +74,11 @@ class App:
             )
 
     async def _route(self, req: HttpRequest, out: Responder) -> None:
-        identity = "" if req.path in OPEN_PATHS else self._authorize(req)
+        caller = (
+            ANONYMOUS
+            if req.path in OPEN_PATHS
+            else self._keys.authorize(req.headers.get("authorization", ""))
+        )
         methods = self.routes.get(req.path)
         if methods is None:
             raise ApiError(404, f"no route for {req.path}", code="not_found")
@@ -93,30 +91,15 @@ class App:
                 code="method_not_allowed",
                 headers=[(b"allow", allow)],
             )
-        await handler(req, out, identity)
+        await handler(req, out, caller)
 
-    def _authorize(self, req: HttpRequest) -> str:
-        """The key holder's identity; 401 unless `Authorization: Bearer <key>` matches."""
-        if self._key is None:
-            return ""
-        scheme, _, token = req.headers.get("authorization", "").partition(" ")
-        given = token.strip().encode("latin-1")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given, self._key):
-            raise ApiError(
-                401,
-                "missing or wrong API key; send `Authorization: Bearer <key>`",
-                code="invalid_api_key",
-                headers=[(b"www-authenticate", b"Bearer")],
-            )
-        return self._key_identity
+    async def _completions(self, req: HttpRequest, out: Responder, caller: Caller) -> None:
+        await handle_completions(self.state, req, out, caller)
 
-    async def _completions(self, req: HttpRequest, out: Responder, identity: str) -> None:
-        await handle_completions(self.state, req, out, identity)
+    async def _chat(self, req: HttpRequest, out: Responder, caller: Caller) -> None:
+        await handle_chat(self.state, req, out, caller)
 
-    async def _chat(self, req: HttpRequest, out: Responder, identity: str) -> None:
-        await handle_chat(self.state, req, out, identity)
-
-    async def _models(self, req: HttpRequest, out: Responder, identity: str) -> None:
+    async def _models(self, req: HttpRequest, out: Responder, caller: Caller) -> None:
         config = self.state.config
         card = ModelCard(
             id=config.served_model_name,
@@ -125,14 +108,14 @@ class App:
         )
         await out.json(200, ModelList(data=[card]))
 
-    async def _health(self, req: HttpRequest, out: Responder, identity: str) -> None:
+    async def _health(self, req: HttpRequest, out: Responder, caller: Caller) -> None:
         engine = self.state.engine
         if engine.healthy:
             await out.json(200, Health("ok"))
         else:
             await out.json(503, Health("dead", engine.dead_reason))
 
-    async def _engine_stats(self, req: HttpRequest, out: Responder, identity: str) -> None:
+    async def _engine_stats(self, req: HttpRequest, out: Responder, caller: Caller) -> None:
         """The core's queues and KV blocks right now."""
         stats = await _from_engine(self.state.engine.get_stats(timeout_s=2.0))
         await out.json(
@@ -145,7 +128,7 @@ class App:
             },
         )
 
-    async def _engine_timeline(self, req: HttpRequest, out: Responder, identity: str) -> None:
+    async def _engine_timeline(self, req: HttpRequest, out: Responder, caller: Caller) -> None:
         """The device timeline of the last `last` steps (default 256) and idle totals."""
         query = parse_qs(req.scope.get("query_string", b"").decode("latin-1"))
         raw = query.get("last", ["256"])[-1]
@@ -162,13 +145,13 @@ class App:
             },
         )
 
-    async def _metrics(self, req: HttpRequest, out: Responder, identity: str) -> None:
+    async def _metrics(self, req: HttpRequest, out: Responder, caller: Caller) -> None:
         """Prometheus text format, merged over every process of the engine."""
         # why a thread: rendering reads every process's files
         text = await asyncio.get_running_loop().run_in_executor(None, core_metrics.render)
         await out.raw(200, text, CONTENT_TYPE_PLAIN_0_0_4.encode())
 
-    async def _openapi_json(self, req: HttpRequest, out: Responder, identity: str) -> None:
+    async def _openapi_json(self, req: HttpRequest, out: Responder, caller: Caller) -> None:
         await out.json(200, self._openapi)
 
 

@@ -13,7 +13,6 @@ from gapless.frontend.asgi import HttpRequest, Responder, encoder
 from gapless.frontend.errors import bad_request, engine_unavailable, from_decode_error
 from gapless.frontend.generation import ChoiceResult, Job, respond
 from gapless.frontend.params import (
-    PRIORITY,
     check_logprobs,
     check_max_tokens,
     check_model,
@@ -21,7 +20,6 @@ from gapless.frontend.params import (
     per_choice,
     resolve_max_tokens,
     sampling_params,
-    tenant_of,
 )
 from gapless.frontend.protocol import ChatCompletionRequest
 from gapless.frontend.responses import (
@@ -35,6 +33,7 @@ from gapless.frontend.responses import (
     chat_logprobs,
 )
 from gapless.frontend.state import FrontendState
+from gapless.frontend.tenants import Caller, priority_of, tenant_of
 
 _decoder = msgspec.json.Decoder(ChatCompletionRequest)
 
@@ -76,7 +75,7 @@ def _logprobs(body: ChatCompletionRequest, config: EngineConfig) -> int | None:
 
 
 async def handle_chat(
-    state: FrontendState, req: HttpRequest, out: Responder, key_identity: str
+    state: FrontendState, req: HttpRequest, out: Responder, caller: Caller
 ) -> None:
     arrival = time.time()
     config = state.config
@@ -96,7 +95,8 @@ async def handle_chat(
     )
     logprobs = _logprobs(body, config)
     base = sampling_params(body, 1, logprobs, config)
-    tenant = tenant_of(req.headers.get("x-tenant"), body.user, key_identity)
+    tenant = tenant_of(caller, req.headers.get("x-tenant"), body.user)
+    priority = priority_of(body.priority, tenant, config)
     if not state.engine.healthy:
         raise engine_unavailable(state.engine.dead_reason)
 
@@ -109,7 +109,7 @@ async def handle_chat(
         prompt_ids,
         params,
         tenant,
-        PRIORITY[body.priority],
+        priority,
         arrival,
     )
     response_id, created, model = (

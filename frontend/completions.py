@@ -12,7 +12,6 @@ from gapless.frontend.asgi import HttpRequest, Responder, encoder
 from gapless.frontend.errors import bad_request, engine_unavailable, from_decode_error
 from gapless.frontend.generation import ChoiceResult, Job, respond
 from gapless.frontend.params import (
-    PRIORITY,
     check_logprobs,
     check_max_tokens,
     check_model,
@@ -20,11 +19,11 @@ from gapless.frontend.params import (
     per_choice,
     resolve_max_tokens,
     sampling_params,
-    tenant_of,
 )
 from gapless.frontend.protocol import CompletionRequest
 from gapless.frontend.responses import Completion, CompletionChoice, Usage, completion_logprobs
 from gapless.frontend.state import FrontendState
+from gapless.frontend.tenants import Caller, priority_of, tenant_of
 
 _decoder = msgspec.json.Decoder(CompletionRequest)
 
@@ -57,7 +56,7 @@ class CompletionChunks:
 
 
 async def handle_completions(
-    state: FrontendState, req: HttpRequest, out: Responder, key_identity: str
+    state: FrontendState, req: HttpRequest, out: Responder, caller: Caller
 ) -> None:
     arrival = time.time()
     config = state.config
@@ -72,7 +71,8 @@ async def handle_completions(
     max_tokens = check_max_tokens(body.max_tokens, "max_tokens", config)
     logprobs = check_logprobs(body.logprobs, "logprobs", config)
     base = sampling_params(body, 1, logprobs, config)
-    tenant = tenant_of(req.headers.get("x-tenant"), body.user, key_identity)
+    tenant = tenant_of(caller, req.headers.get("x-tenant"), body.user)
+    priority = priority_of(body.priority, tenant, config)
     if not state.engine.healthy:
         raise engine_unavailable(state.engine.dead_reason)
 
@@ -85,7 +85,7 @@ async def handle_completions(
         prompt_ids,
         params,
         tenant,
-        PRIORITY[body.priority],
+        priority,
         arrival,
     )
     response_id, created, model = f"cmpl-{uuid.uuid4().hex}", int(arrival), config.served_model_name

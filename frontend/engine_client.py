@@ -109,7 +109,7 @@ class EngineClient:
         params: list[SamplingParams],
         *,
         tenant: str = "",
-        priority: int = 1,
+        priority: int = 0,
         arrival_time: float | None = None,
     ) -> AsyncIterator[tuple[int, TextDelta]]:
         """One engine request per params entry (ids `{request_id}-{i}`), merged as
@@ -156,7 +156,7 @@ class EngineClient:
         params: SamplingParams,
         *,
         tenant: str = "",
-        priority: int = 1,
+        priority: int = 0,
     ) -> AsyncIterator[TextDelta]:
         """One choice; ends after the delta carrying its finish_reason."""
         stream = self.generate_n(

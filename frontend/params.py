@@ -11,8 +11,6 @@ from gapless.core.common.messages import SamplingParams
 from gapless.frontend.errors import ApiError, bad_request
 from gapless.frontend.protocol import SamplingFields
 
-PRIORITY = {"interactive": 0, "default": 1, "batch": 2}
-MAX_TENANT_CHARS = 256
 _INT64 = 2**63
 
 
@@ -153,14 +151,3 @@ def per_choice(params: SamplingParams, n: int) -> list[SamplingParams]:
         seed = (params.seed + i + _INT64) % (2 * _INT64) - _INT64
         out.append(msgspec.structs.replace(params, seed=seed))
     return out
-
-
-def tenant_of(header: str | None, user: str | None, key_identity: str) -> str:
-    """X-Tenant header, else the `user` field, else the API key's identity, else ""."""
-    tenant = header or user or key_identity
-    if len(tenant) > MAX_TENANT_CHARS:
-        raise bad_request(
-            f"the tenant (X-Tenant or user) is longer than {MAX_TENANT_CHARS} characters",
-            param="user",
-        )
-    return tenant

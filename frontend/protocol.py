@@ -10,7 +10,6 @@ from typing import Literal
 
 import msgspec
 
-Priority = Literal["interactive", "default", "batch"]
 Role = Literal["system", "user", "assistant", "tool"]
 
 
@@ -41,7 +40,9 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    priority: Priority = "default"
+    # an integer in [-1000, 1000], lower runs sooner, or interactive (-10), default (0), batch (10);
+    # absent: the tenant's default. Checked in frontend.tenants
+    priority: int | str | None = None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):

@@ -58,7 +58,7 @@ class AddRequest(_Msg):
     params: SamplingParams
     arrival_time: float  # time.time() when the HTTP request arrived
     tenant: str = ""
-    priority: int = 1  # 0 interactive, 1 default, 2 batch
+    priority: int = 0  # in [-1000, 1000], lower runs sooner: -10 interactive, 0 default, 10 batch
 
 
 class Abort(_Msg):

@@ -28,7 +28,7 @@ async def test_completion_whole(client: httpx.AsyncClient, engine: FakeEngine) -
         "finish_reason": "length",
     }
     (req,) = engine.added
-    assert req.params.max_tokens == 3 and req.priority == 1 and req.tenant == ""
+    assert req.params.max_tokens == 3 and req.priority == 0 and req.tenant == ""
     prompt_ids = engine.tokenizer.encode(PROMPT, add_special_tokens=False).ids
     assert req.prompt_token_ids == prompt_ids
     assert body["usage"] == {
@@ -182,7 +182,7 @@ async def test_chat_priority_and_extras(client: httpx.AsyncClient, engine: FakeE
     )
     assert r.status_code == 200, r.text
     req: AddRequest = engine.added[0]
-    assert req.priority == 2
+    assert req.priority == 10
     p = req.params
     assert (p.top_k, p.min_p, p.repetition_penalty, p.temperature, p.top_p) == (0, 0.1, 1.2, 0, 1)
     assert p.stop == ("END",) and p.stop_token_ids == (5,) and p.ignore_eos

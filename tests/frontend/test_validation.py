@@ -50,6 +50,13 @@ COMPLETION_CASES: list[tuple[Any, int, str | None]] = [
     ({"prompt": "hi", "seed": 2**64}, 400, "seed"),
     ({"prompt": "hi", "stream": "yes"}, 400, "stream"),
     ({"prompt": "hi", "priority": "urgent"}, 400, "priority"),
+    ({"prompt": "hi", "priority": 1001}, 400, "priority"),
+    ({"prompt": "hi", "priority": -1001}, 400, "priority"),
+    ({"prompt": "hi", "priority": 1.5}, 400, "priority"),
+    ({"prompt": "hi", "priority": 10**30}, 400, "priority"),
+    ({"prompt": "hi", "priority": True}, 400, "priority"),
+    ({"prompt": "hi", "priority": ["batch"]}, 400, "priority"),
+    ({"prompt": "hi", "user": "a\u0007b"}, 400, "user"),
     ({"prompt": "hi", "echo": True}, 400, "echo"),
     ({"prompt": "hi", "user": "u" * 300}, 400, "user"),
     ({"prompt": "hi", "model": "gpt-4"}, 404, "model"),
@@ -75,6 +82,9 @@ CHAT_CASES: list[tuple[Any, int, str | None]] = [
     ({"messages": USER, "max_tokens": 250}, 400, "max_tokens"),
     ({"messages": USER, "n": 9}, 400, "n"),
     ({"messages": USER, "temperature": 3}, 400, "temperature"),
+    ({"messages": USER, "priority": "Batch"}, 400, "priority"),
+    ({"messages": USER, "priority": 2000}, 400, "priority"),
+    ({"messages": USER, "user": "u\n"}, 400, "user"),
     ({"messages": USER, "model": "nope"}, 404, "model"),
 ]
 

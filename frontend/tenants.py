@@ -1,0 +1,85 @@
+"""Who sends a request: its API key, its tenant and its priority.
+
+With --api-keys-file the key decides the tenant and nothing the client says can change it. Without
+one (and for the --api-key key), the request names its tenant: the X-Tenant header, else the
+OpenAI `user` field, else one shared tenant.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+from gapless.core.common.config import EngineConfig, TenantSpec, check_tenant_name, priority_value
+from gapless.frontend.errors import ApiError, bad_request
+
+_NO_SETTINGS = TenantSpec()
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """What a request's API key says about it."""
+
+    tenant: str  # the key's tenant if fixed, else the tenant of a request that names none
+    fixed: bool = False  # the key decides the tenant
+
+
+ANONYMOUS = Caller("")
+
+
+class ApiKeys:
+    """The keys a server accepts: --api-key, and every key of --api-keys-file."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        # why by digest: a dict lookup of a digest leaks no timing about the keys themselves
+        self._callers: dict[bytes, Caller] = {
+            _digest(key.encode()): Caller(tenant, fixed=True)
+            for key, tenant in config.api_keys.items()
+        }
+        if config.api_key:
+            digest = _digest(config.api_key.encode())
+            # tenant of a request that names none: who holds the key, not the key itself
+            self._callers.setdefault(digest, Caller("key-" + digest.hex()[:12]))
+
+    def authorize(self, authorization: str) -> Caller:
+        """The caller behind `Authorization: Bearer <key>`; 401 unless the key is one of ours."""
+        if not self._callers:
+            return ANONYMOUS
+        scheme, _, token = authorization.partition(" ")
+        caller = self._callers.get(_digest(token.strip().encode("latin-1")))
+        if scheme.lower() != "bearer" or caller is None:
+            raise ApiError(
+                401,
+                "missing or wrong API key; send `Authorization: Bearer <key>`",
+                code="invalid_api_key",
+                headers=[(b"www-authenticate", b"Bearer")],
+            )
+        return caller
+
+
+def _digest(key: bytes) -> bytes:
+    return hashlib.sha256(key).digest()
+
+
+def tenant_of(caller: Caller, header: str | None, user: str | None) -> str:
+    """The key's tenant if it fixes one; else X-Tenant, else `user`, else the caller's."""
+    if caller.fixed:
+        return caller.tenant
+    for name, tenant in (("X-Tenant", header), ("user", user)):
+        if tenant:
+            try:
+                check_tenant_name(tenant)
+            except ValueError as e:
+                raise bad_request(f"the tenant ({name}) {e}", param=name) from None
+            return tenant
+    return caller.tenant
+
+
+def priority_of(value: int | str | None, tenant: str, config: EngineConfig) -> int:
+    """The request's priority as an integer; absent, its tenant's default."""
+    if value is None:
+        return config.tenants.get(tenant, _NO_SETTINGS).priority
+    try:
+        return priority_value(value)
+    except ValueError as e:
+        raise bad_request(f"priority {e}", param="priority") from None

@@ -1,0 +1,135 @@
+"""A request's tenant and priority, as the frontend puts them in AddRequest."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+
+from gapless.core.common.config import TenantSpec
+from tests.frontend.conftest import build_app
+from tests.frontend.fake_engine import FakeEngine
+
+pytestmark = pytest.mark.anyio
+
+KEYS = {"sk-acme": "acme", "sk-acme-2": "acme", "sk-beta": "beta"}
+TENANTS = {"acme": TenantSpec(priority=-10), "beta": TenantSpec(weight=2.0)}
+USER = [{"role": "user", "content": "hi"}]
+ENDPOINTS = [("/v1/completions", {"prompt": "hi"}), ("/v1/chat/completions", {"messages": USER})]
+
+
+@pytest.fixture
+async def keyed(make_config, engine) -> AsyncIterator[httpx.AsyncClient]:
+    """A server with a keys file and an operator key, `--api-key op`."""
+    config = make_config(api_keys=KEYS, tenants=TENANTS, api_key="op")
+    transport = httpx.ASGITransport(app=build_app(config, engine))
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+        yield c
+
+
+async def _post(
+    c: httpx.AsyncClient, engine: FakeEngine, path: str, body: dict[str, Any], **headers: str
+) -> tuple[str, int]:
+    """(tenant, priority) of the AddRequest the request made; x_tenant= sends X-Tenant."""
+    headers = {name.replace("_", "-"): value for name, value in headers.items()}
+    r = await c.post(path, json={**body, "max_tokens": 1}, headers=headers)
+    assert r.status_code == 200, r.text
+    req = engine.added.pop()
+    return req.tenant, req.priority
+
+
+@pytest.mark.parametrize(("path", "body"), ENDPOINTS)
+async def test_the_keys_tenant_wins(keyed, engine, path, body) -> None:
+    auth = {"authorization": "Bearer sk-acme"}
+    assert await _post(keyed, engine, path, body, **auth) == ("acme", -10)
+    claimed = {**body, "user": "beta"}
+    assert await _post(keyed, engine, path, claimed, **auth, x_tenant="beta") == ("acme", -10)
+    # what the key ignores is not checked either
+    assert (await _post(keyed, engine, path, body, **auth, x_tenant="x" * 300))[0] == "acme"
+    auth = {"authorization": "bearer  sk-acme-2 "}
+    assert await _post(keyed, engine, path, body, **auth) == ("acme", -10)
+    auth = {"authorization": "Bearer sk-beta"}
+    assert await _post(keyed, engine, path, body, **auth, x_tenant="acme") == ("beta", 0)
+
+
+async def test_unknown_keys_are_refused(keyed, engine) -> None:
+    for auth in ("", "Bearer sk-gamma", "Bearer sk-acm", "Basic sk-acme", "Bearer acme"):
+        r = await keyed.post(
+            "/v1/completions", json={"prompt": "hi"}, headers={"authorization": auth}
+        )
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert r.headers["www-authenticate"] == "Bearer"
+        assert (await keyed.get("/v1/models", headers={"authorization": auth})).status_code == 401
+    assert engine.added == []
+    assert (await keyed.get("/health")).status_code == 200
+    assert (await keyed.get("/metrics")).status_code == 200
+
+
+async def test_the_operator_key_names_any_tenant(keyed, engine) -> None:
+    """--api-key beside a keys file: its requests name their tenant, as without a keys file."""
+    path, body = ENDPOINTS[0]
+    auth = {"authorization": "Bearer op"}
+    assert await _post(keyed, engine, path, body, **auth, x_tenant="acme") == ("acme", -10)
+    assert await _post(keyed, engine, path, {**body, "user": "zed"}, **auth) == ("zed", 0)
+    tenant, _ = await _post(keyed, engine, path, body, **auth)
+    assert tenant.startswith("key-") and "op" not in tenant
+
+
+@pytest.mark.parametrize(("path", "body"), ENDPOINTS)
+async def test_without_keys_the_request_names_its_tenant(client, engine, path, body) -> None:
+    assert await _post(client, engine, path, body) == ("", 0)
+    assert await _post(client, engine, path, {**body, "user": "bob"}) == ("bob", 0)
+    with_user = {**body, "user": "bob"}
+    assert await _post(client, engine, path, with_user, x_tenant="team-a") == ("team-a", 0)
+    assert await _post(client, engine, path, {**body, "user": ""}, x_tenant="") == ("", 0)
+
+
+@pytest.mark.parametrize(("path", "body"), ENDPOINTS)
+@pytest.mark.parametrize("header", ["a\tb", "a\x7fb", "x" * 257])
+async def test_a_bad_x_tenant_is_a_400(client, engine, path, body, header) -> None:
+    r = await client.post(path, json=body, headers={"x-tenant": header})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "X-Tenant" and "X-Tenant" in error["message"]
+    assert engine.added == []
+
+
+PRIORITIES = [
+    ("interactive", -10),
+    ("default", 0),
+    ("batch", 10),
+    (-1000, -1000),
+    (1000, 1000),
+    (0, 0),
+    (3, 3),
+    (None, 0),
+]
+
+
+@pytest.mark.parametrize(("path", "body"), ENDPOINTS)
+@pytest.mark.parametrize(("priority", "expected"), PRIORITIES)
+async def test_priority_names_and_integers(client, engine, path, body, priority, expected) -> None:
+    assert await _post(client, engine, path, {**body, "priority": priority}) == ("", expected)
+
+
+async def test_an_absent_priority_is_the_tenants_default(make_config, engine) -> None:
+    config = make_config(tenants={"batchy": TenantSpec(priority=10)})
+    transport = httpx.ASGITransport(app=build_app(config, engine))
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+        path, body = ENDPOINTS[1]
+        assert await _post(c, engine, path, body, x_tenant="batchy") == ("batchy", 10)
+        given = {**body, "priority": "interactive"}
+        assert await _post(c, engine, path, given, x_tenant="batchy") == ("batchy", -10)
+        assert await _post(c, engine, path, body, x_tenant="other") == ("other", 0)
+
+
+async def test_a_bad_priority_says_what_is_allowed(client, engine) -> None:
+    r = await client.post("/v1/completions", json={"prompt": "hi", "priority": "urgent"})
+    error = r.json()["error"]
+    assert (r.status_code, error["param"]) == (400, "priority")
+    assert error["message"] == (
+        "priority must be an integer from -1000 to 1000 or one of interactive, default, batch; "
+        "got 'urgent'"
+    )
