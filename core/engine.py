@@ -31,6 +31,7 @@ from gapless.core.common.messages import (
     TokenBatch,
 )
 from gapless.core.metrics import CoreMetrics
+from gapless.core.policy import make_policy
 from gapless.core.request import Request
 from gapless.core.scheduler import ScheduledStep, Scheduler, StepOutput
 from gapless.core.timeline import DeviceTimeline
@@ -64,6 +65,12 @@ class EngineCore:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.model.max_model_len,
             eos_token_ids=config.model.eos_token_ids,
+            policy=make_policy(
+                config.scheduling_policy,
+                weights=config.tenant_weights,
+                output_weight=config.fair_output_weight,
+                aging_s=config.priority_aging_s,
+            ),
         )
         self.inflight: deque[ScheduledStep] = deque()
         self.timeline = DeviceTimeline(config)

@@ -229,7 +229,16 @@ class Scheduler:
             slots.append(req.slot)
             takes.append(n)
             budget -= n
+            self._charge_prompt(req, n)  # now, so the next pick in this loop sees it
         return new_slots, np.asarray(slots, np.int64), np.asarray(takes, np.int64)
+
+    def _charge_prompt(self, req: Request, end: int) -> None:
+        """Charge the prompt tokens below `end` that were never charged: each is charged once,
+        when first planned, so a recompute after preemption is free."""
+        computed = min(end, req.num_prompt)
+        if computed > req.prompt_charged:
+            self.policy.charge_prompt(req, computed - req.prompt_charged)
+            req.prompt_charged = computed
 
     def _build(self, slots, take, new_slots, freed) -> ScheduledStep:
         rb = self.rb
@@ -241,10 +250,7 @@ class Scheduler:
             req = rb.req[slots[j]]
             end = int(start[j] + take[j])
             token_ids.extend(req.known_tokens(int(start[j]), end))
-            computed = min(end, req.num_prompt)
-            if computed > req.prompt_charged:  # prompt tokens are charged once, when computed
-                self.policy.charge_prompt(req, computed - req.prompt_charged)
-                req.prompt_charged = computed
+            self._charge_prompt(req, end)
         assert (take[~has_tokens] == 1).all(), "a device-fed entry has one token"
         new_count = rb.num_blocks[slots] - rb.num_sent[slots]
         new_blocks: list[int] = []

@@ -34,8 +34,8 @@ def make_config(model_dir, **overrides) -> EngineConfig:
     return msgspec.structs.replace(base, **overrides)
 
 
-# arrivals[k]: (request id, prompt ids, params) that join before step k
-Arrivals = dict[int, list[tuple[str, list[int], SamplingParams]]]
+# arrivals[k]: (request id, prompt ids, params[, tenant[, priority]]) that join before step k
+Arrivals = dict[int, list[tuple]]
 
 
 class Harness:
@@ -49,6 +49,9 @@ class Harness:
         self.core = EngineCore(config, self.backend.num_blocks, metrics)
         self.detok = DetokenizerState(load_tokenizer(config.model))
         self.outputs: dict[str, list[int]] = {}  # token ids as the core sent them
+        self.token_steps: dict[str, list[int]] = {}  # the step each of those ids arrived at
+        self.arrived: dict[str, int] = {}  # the step each request joined before
+        self.backlogged: list[set[str]] = []  # per step: tenants with requests waiting
         self.finish: dict[str, str] = {}  # the core's end reason
         self.deltas: dict[str, list[TextDelta]] = {}  # what the frontend would receive
         self.steps = 0
@@ -58,9 +61,13 @@ class Harness:
     def scheduler(self) -> Scheduler:
         return self.core.scheduler
 
-    def add(self, rid: str, prompt: list[int], params: SamplingParams) -> None:
+    def add(
+        self, rid: str, prompt: list[int], params: SamplingParams, tenant="", priority=0
+    ) -> None:
         self.outputs[rid] = []
+        self.token_steps[rid] = []
         self.deltas[rid] = []
+        self.arrived[rid] = self.steps
         self.core.handle(
             AddRequest(
                 request_id=rid,
@@ -68,6 +75,8 @@ class Harness:
                 prompt_token_ids=prompt,
                 params=params,
                 arrival_time=time.time(),
+                tenant=tenant,
+                priority=priority,
             )
         )
 
@@ -77,11 +86,12 @@ class Harness:
         inflight: deque = deque()
         result = None
         while arrivals or aborts or inflight or self.core.has_work or result is not None:
-            for rid, prompt, params in arrivals.pop(self.steps, []):
-                self.add(rid, prompt, params)
+            for arrival in arrivals.pop(self.steps, []):
+                self.add(*arrival)
             if self.steps in aborts:
                 self.core.handle(Abort(aborts.pop(self.steps)))
             out = self.core.step(result)
+            self.backlogged.append({r.tenant for r in self.scheduler.waiting})
             for plan in out.plans:  # launched in order as they come, as the runner process does
                 inflight.append(self.backend.launch(plan))
             self.max_inflight = max(self.max_inflight, len(inflight))
@@ -100,6 +110,7 @@ class Harness:
         pos = 0
         for rid, n, reason in zip(msg.request_ids, msg.counts, msg.finish_reasons, strict=True):
             self.outputs[rid] += msg.token_ids[pos : pos + n]
+            self.token_steps[rid] += [self.steps] * n
             pos += n
             if reason:
                 assert rid not in self.finish, f"{rid} ended twice"

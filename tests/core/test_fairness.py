@@ -1,0 +1,148 @@
+"""Fair share between tenants and priorities, through the real EngineCore in-process with the
+sim device (a100-llama-1.3b: short steps, sim) or the cpu runner where greedy outputs matter.
+Time is counted in engine steps; tokens per tenant are those the detokenizer received."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from gapless.core.common.config import TenantSpec
+from gapless.core.common.messages import SamplingParams
+from tests.conftest import sim_config
+from tests.engine_harness import Harness, make_config
+
+PROMPT = list(range(2000, 2032))  # 32 tokens
+
+
+def jain(x) -> float:
+    x = np.asarray(x, float)
+    return float(x.sum() ** 2 / (len(x) * (x**2).sum()))
+
+
+def engine(default_gguf, policy: str, **overrides) -> Harness:
+    fields = dict(sim_profile="a100-llama-1.3b", max_num_seqs=16, max_num_batched_tokens=512)
+    return Harness(sim_config(default_gguf, scheduling_policy=policy, **{**fields, **overrides}))
+
+
+def tenant_requests(tenant: str, n: int, outs, start: int = 0):
+    """n requests of one tenant at step `start`; outs: one output length, or a list."""
+    lens = outs if isinstance(outs, list) else [outs] * n
+    return {
+        start: [
+            (f"{tenant}{start}-{i}", PROMPT, SamplingParams(max_tokens=lens[i]), tenant)
+            for i in range(n)
+        ]
+    }
+
+
+def merge(*arrivals: dict) -> dict:
+    out: dict = {}
+    for a in arrivals:
+        for step, reqs in a.items():
+            out.setdefault(step, []).extend(reqs)
+    return out
+
+
+def tokens_in(h: Harness, tenant: str, first: int, last: int) -> int:
+    """Tokens the tenant received in steps [first, last)."""
+    steps = [s for rid, ss in h.token_steps.items() if rid.startswith(tenant) for s in ss]
+    return sum(first <= s < last for s in steps)
+
+
+def all_backlogged(h: Harness, tenants: str, since: int = 0) -> tuple[int, int]:
+    """The first and last+1 step from `since` at which every tenant had requests waiting."""
+    both = [k for k, b in enumerate(h.backlogged) if k >= since and set(tenants) <= b]
+    assert both, "the tenants were never backlogged together"
+    return both[0], both[-1] + 1
+
+
+def ttft(h: Harness, rid: str) -> int:
+    return h.token_steps[rid][0] - h.arrived[rid]
+
+
+def test_noisy_neighbor(default_gguf):
+    outs = np.random.default_rng(0).integers(16, 65, 200).tolist()
+    got = {}
+    for policy in ("fcfs", "fair"):
+        h = engine(default_gguf, policy, max_num_seqs=32)
+        h.run(merge(tenant_requests("A", 200, outs), tenant_requests("B", 1, 32, start=10)))
+        assert len(h.outputs["B10-0"]) == 32 and h.finish["B10-0"] == "length"
+        got[policy] = ttft(h, "B10-0")
+    assert got["fair"] <= 0.2 * got["fcfs"], got
+
+
+def test_equal_tenants_share_equally(default_gguf):
+    h = engine(default_gguf, "fair")
+    h.run(merge(*(tenant_requests(t, 150, 48, start=20 * k) for k, t in enumerate("PQRS"))))
+    first, last = all_backlogged(h, "PQRS")
+    assert last - first > 50, "a window long enough to measure"
+    received = [tokens_in(h, t, first, last) for t in "PQRS"]
+    assert jain(received) >= 0.99, received
+
+
+def test_weights_two_to_one(default_gguf):
+    tenants = {"H": TenantSpec(weight=2.0)}
+    h = engine(default_gguf, "fair", tenants=tenants)
+    h.run(merge(tenant_requests("H", 120, 48), tenant_requests("L", 120, 48)))
+    first, last = all_backlogged(h, "HL")
+    ratio = tokens_in(h, "H", first, last) / tokens_in(h, "L", first, last)
+    assert 1.9 <= ratio <= 2.1, ratio
+
+
+def test_a_returning_tenant_gets_no_more_than_its_share(default_gguf):
+    h = engine(default_gguf, "fair")
+    back = 300
+    h.run(
+        merge(
+            tenant_requests("A", 300, 48),
+            tenant_requests("B", 30, 48),  # B is served, drains, and stays away a while
+            tenant_requests("B", 60, 48, start=back),  # then comes back with a backlog
+        )
+    )
+    assert not any("B" in b for b in h.backlogged[back - 50 : back]), "B was idle"
+    first, last = all_backlogged(h, "AB", since=back)
+    last = min(last, first + 100)
+    b, a = tokens_in(h, "B", first, last), tokens_in(h, "A", first, last)
+    assert b / (a + b) <= 0.55, (a, b)
+
+
+def test_alone_fair_costs_nothing(default_gguf):
+    steps, busy = {}, {}
+    for policy in ("fcfs", "fair"):
+        h = engine(default_gguf, policy)
+        h.run(tenant_requests("A", 60, np.arange(16, 76).tolist()))
+        steps[policy] = h.steps
+        busy[policy] = h.core.timeline.summary().busy_s
+    assert steps["fair"] == steps["fcfs"], "the same plans whatever the policy"
+    assert busy["fair"] <= busy["fcfs"] * 1.05  # sim device time
+
+
+def test_interactive_overtakes_a_batch_backlog_and_batch_loses_nothing(tiny_model_dir):
+    greedy = dict(temperature=0.0, ignore_eos=True)
+    long = SamplingParams(max_tokens=24, **greedy)
+    batch = {0: [(f"b{i}", [5 + i, 6, 7], long, "", 10) for i in range(6)]}
+    vip = [("vip", [9, 8, 7], SamplingParams(max_tokens=4, **greedy), "", -10)]
+    config = make_config(tiny_model_dir, max_num_seqs=4, scheduling_policy="fair")
+
+    idle = Harness(config)
+    idle.run({0: vip})
+    undisturbed = Harness(config)
+    undisturbed.run(batch)
+    busy = Harness(config)
+    busy.run(merge(batch, {3: vip}))
+
+    assert busy.scheduler.num_preemptions >= 1, "every seat was taken by batch work"
+    assert ttft(busy, "vip") <= 3 * ttft(idle, "vip")
+    assert busy.outputs["vip"] == idle.outputs["vip"]
+    for i in range(6):
+        assert busy.outputs[f"b{i}"] == undisturbed.outputs[f"b{i}"], f"b{i} lost or changed"
+        assert busy.finish[f"b{i}"] == "length"
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority", "fair"])
+def test_every_policy_finishes_everything(default_gguf, policy):
+    h = engine(default_gguf, policy, max_num_seqs=4)
+    h.run(merge(tenant_requests("A", 12, 20), tenant_requests("B", 3, 20, start=2)))
+    assert set(h.finish.values()) == {"length"} and len(h.finish) == 15
+    assert h.scheduler.blocks.num_free == h.scheduler.blocks.num_usable
