@@ -23,6 +23,7 @@ class RequestRecord:
     itl: list[float] = field(default_factory=list)  # s, between chunks with text
     e2e: float | None = None  # s, send to end of stream
     output_tokens: int = 0  # usage.completion_tokens, else chunks with text
+    tenant: str | None = None  # of a multi-tenant run
 
     @property
     def tpot(self) -> float | None:
@@ -40,6 +41,8 @@ def completion_payload(
     ignore_eos: bool,
     temperature: float,
     eos_token_ids: tuple[int, ...] = (),
+    user: str | None = None,
+    priority: int | str | None = None,
 ) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": model,
@@ -53,6 +56,10 @@ def completion_payload(
         body["ignore_eos"] = True
         if eos_token_ids:  # why: servers without ignore_eos (OpenAI's API) honour a logit bias
             body["logit_bias"] = {str(i): -100 for i in eos_token_ids}
+    if user is not None:
+        body["user"] = user
+    if priority is not None:
+        body["priority"] = priority
     return body
 
 
@@ -79,14 +86,18 @@ def _chunk_text(chunk: dict[str, Any]) -> str:
 
 
 async def stream_completion(
-    client: httpx.AsyncClient, url: str, body: dict[str, Any], record: RequestRecord
+    client: httpx.AsyncClient,
+    url: str,
+    body: dict[str, Any],
+    record: RequestRecord,
+    headers: dict[str, str] | None = None,
 ) -> RequestRecord:
     """POSTs `body` to `url` and fills `record` from the SSE stream."""
     record.start = time.perf_counter()
     last = record.start
     chunks, usage_tokens, done = 0, None, False
     try:
-        async with client.stream("POST", url, json=body) as resp:
+        async with client.stream("POST", url, json=body, headers=headers) as resp:
             if resp.status_code != 200:
                 record.error = f"HTTP {resp.status_code}: {_error_text(await resp.aread())}"
                 return record

@@ -31,6 +31,7 @@ class LoadSpec:
 class LoadResult:
     records: list[RequestRecord]
     duration_s: float  # first send to last response
+    t0: float = 0.0  # time.perf_counter() at the start, when offset 0 is sent
 
 
 def arrival_offsets(n: int, rate: float, seed: int) -> np.ndarray:
@@ -39,6 +40,14 @@ def arrival_offsets(n: int, rate: float, seed: int) -> np.ndarray:
         return np.zeros(n)
     gaps = np.random.default_rng(seed).exponential(1.0 / rate, size=n)
     return np.cumsum(gaps) - gaps[0]
+
+
+def request_offsets(workload: Workload, spec: LoadSpec) -> np.ndarray:
+    """[n] send times in s: the workload's own (a multi-tenant run), else the spec's rate."""
+    arrivals = [r.arrival_s for r in workload.requests]
+    if arrivals and all(a is not None for a in arrivals):
+        return np.asarray(arrivals, dtype=float)
+    return arrival_offsets(len(arrivals), spec.request_rate, spec.seed)
 
 
 def http_client(
@@ -59,7 +68,7 @@ async def run_load(
     label: str = "",
 ) -> LoadResult:
     requests = workload.requests
-    offsets = arrival_offsets(len(requests), spec.request_rate, spec.seed)
+    offsets = request_offsets(workload, spec)
     gate = asyncio.Semaphore(spec.max_concurrency or len(requests) or 1)
     bar = tqdm(total=len(requests), desc=label or base_url, unit="req", disable=not spec.progress)
     size = min(len(requests), spec.max_concurrency or len(requests))
@@ -78,10 +87,13 @@ async def run_load(
                 ignore_eos=spec.ignore_eos,
                 temperature=spec.temperature,
                 eos_token_ids=spec.eos_token_ids,
+                user=req.tenant,
+                priority=req.priority,
             )
+            headers = {"X-Tenant": req.tenant} if req.tenant is not None else None
             async with gate:
-                record = RequestRecord(req.prompt_len, req.output_len)
-                await stream_completion(client, "/v1/completions", body, record)
+                record = RequestRecord(req.prompt_len, req.output_len, tenant=req.tenant)
+                await stream_completion(client, "/v1/completions", body, record, headers)
             bar.update(1)
             return record
 
@@ -93,4 +105,4 @@ async def run_load(
                 task.cancel()
             bar.close()
         duration = time.perf_counter() - t0
-    return LoadResult(list(records), duration)
+    return LoadResult(list(records), duration, t0)

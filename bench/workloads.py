@@ -5,11 +5,15 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from gapless.bench.datasets import read_loogle, read_sharegpt
 from gapless.bench.prompts import PromptMaker
+
+if TYPE_CHECKING:
+    from gapless.bench.tenants import TenantSpec
 
 SHAREGPT_MEAN = (200.0, 180.0)  # synthetic mix: mean prompt and output tokens
 LOOGLE_MEAN_PROMPT, LOOGLE_MEAN_OUTPUT = 6000.0, 50.0
@@ -20,6 +24,9 @@ class BenchRequest:
     prompt: str
     prompt_len: int  # tokens, as the server counts them
     output_len: int  # max_tokens sent
+    tenant: str | None = None  # sent as X-Tenant and `user`
+    priority: int | str | None = None  # sent as `priority` when set
+    arrival_s: float | None = None  # s after the start; None: the run's rate decides
 
 
 @dataclass(frozen=True)
@@ -27,6 +34,7 @@ class Workload:
     name: str  # "1024:64", "sharegpt", "sharegpt-synthetic", "loogle", "loogle-synthetic"
     requests: tuple[BenchRequest, ...]
     synthetic: bool  # made up here rather than read from a dataset
+    tenants: tuple[TenantSpec, ...] = ()  # who sends the requests (a multi-tenant run)
 
     @property
     def mean_prompt_len(self) -> float:

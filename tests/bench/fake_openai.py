@@ -16,13 +16,15 @@ from tests.server import free_port
 class FakeOpenAI:
     """ASGI app: /v1/models, /health and streaming /v1/completions of `max_tokens` chunks.
     `failures` maps the 0-based request number to "http" (a 500), "event" (an error event
-    mid-stream) or "broken" (the stream ends without [DONE])."""
+    mid-stream) or "broken" (the stream ends without [DONE]). `bodies` and `headers` (names
+    lower-cased) keep each completion request as received."""
 
     def __init__(self, failures: dict[int, str] | None = None, delay_s: float = 0.002) -> None:
         self.failures = failures or {}
         self.delay_s = delay_s
         self.num_requests = 0
         self.bodies: list[dict[str, Any]] = []
+        self.headers: list[dict[str, str]] = []
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -39,6 +41,7 @@ class FakeOpenAI:
                 body += msg.get("body", b"")
                 if not msg.get("more_body"):
                     break
+            self.headers.append({k.decode(): v.decode() for k, v in scope["headers"]})
             await self._complete(send, json.loads(body))
         else:
             await self._json(send, 404, {"error": {"message": "not found"}})
