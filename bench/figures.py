@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from gapless.bench.plots import plot_breakdown, plot_cdfs, plot_timeline
+from gapless.bench.plots import plot_breakdown, plot_cdfs, plot_tenant_tokens, plot_timeline
 
 
 def slug(text: str) -> str:
@@ -31,13 +31,16 @@ def load_runs(paths: list[Path]) -> list[dict[str, Any]]:
 def plot_runs(
     runs: list[dict[str, Any]], steps: list[list[dict[str, Any]]], out_dir: Path
 ) -> list[Path]:
-    """timeline_<target>_<workload>.png per run with a timeline, breakdown.png, latency_cdf.png."""
+    """timeline_<target>_<workload>.png per run with a timeline, tenants_<target>_<workload>.png
+    per multi-tenant run, breakdown.png, latency_cdf.png."""
     written = []
     for run, run_steps in zip(runs, steps, strict=True):
+        tag = f"{slug(run['target'])}_{slug(run['workload'])}"
         if run_steps:
-            name = f"timeline_{slug(run['target'])}_{slug(run['workload'])}.png"
             title = f"{run['target']} | {run['workload']} | {run.get('device')}: device timeline"
-            written.append(plot_timeline(run_steps, out_dir / name, title))
+            written.append(plot_timeline(run_steps, out_dir / f"timeline_{tag}.png", title))
+        if run.get("tenants"):
+            written.append(plot_tenant_tokens(run, out_dir / f"tenants_{tag}.png"))
     written.append(plot_breakdown(runs, out_dir / "breakdown.png"))
     written.append(plot_cdfs(runs, out_dir / "latency_cdf.png"))
     return written

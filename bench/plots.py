@@ -138,3 +138,44 @@ def plot_cdfs(runs: list[dict[str, Any]], path: Path) -> Path:
     if axes[0].get_legend_handles_labels()[0]:
         axes[0].legend(fontsize=7)
     return _save(fig, path)
+
+
+def run_title(run: dict[str, Any]) -> str:
+    """`target | workload | device` (the device only when the target has an engine timeline)."""
+    return run_label(run).replace("\n", " | ")
+
+
+def plot_tenant_tokens(run: dict[str, Any], path: Path) -> Path:
+    """Each tenant's cumulative output tokens received over time, the backlogged window shaded;
+    the run needs its `tenants` and `fairness`."""
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    fairness = run["fairness"]
+    if fairness["window_start_s"] is not None:
+        ax.axvspan(
+            fairness["window_start_s"],
+            fairness["window_end_s"],
+            color="#bbbbbb",
+            alpha=0.35,
+            label="all tenants backlogged",
+        )
+    for t in run["tenants"]:
+        series = t["series"]
+        label = f"{t['name']} ({t['completed']}/{t['num_requests']} req"
+        label += "" if t["weight"] == 1.0 else f", weight {t['weight']:g}"
+        label += "" if t["priority"] is None else f", priority {t['priority']}"
+        ax.plot(series["t_s"], series["tokens"], drawstyle="steps-post", label=label + ")")
+    jain = fairness["jain_index"]
+    subtitle = f"Jain's index {jain:.3f}" if jain is not None else fairness["note"]
+    ax.set_title(f"{run_title(run)}: tokens received per tenant\n{subtitle}", fontsize=10)
+    ax.set_xlabel("s since the run started (client clock)")
+    totals = [t["tokens_received"] for t in run["tenants"]]
+    if min(totals) * 20 < max(totals):  # why: a one-request tenant is a flat line beside 200
+        ax.set_yscale("symlog", linthresh=10)
+        ax.set_ylabel("output tokens received (symlog)")
+    else:
+        ax.set_ylabel("output tokens received")
+    ax.set_xlim(left=0)
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path)

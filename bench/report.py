@@ -109,3 +109,50 @@ def format_ratios(table: list[dict[str, Any]]) -> str:
             value = "-" if row[label] is None else f"{row[label]:.3f}x"
             lines.append(f"  {label:<30}{value:>12}   ({hint})")
     return "\n".join(lines)
+
+
+def _fairness_line(run: dict[str, Any]) -> str:
+    f = run["fairness"]
+    if f["jain_index"] is None:
+        return f"Jain's fairness index: - ({f['note']})"
+    window = f"{f['window_start_s']:.3f}-{f['window_end_s']:.3f} s"
+    return f"Jain's fairness index (tokens / weight, backlogged {window}): {f['jain_index']:.3f}"
+
+
+def _tenant_cells(t: dict[str, Any]) -> str:
+    ttft = t["ttft_ms"]
+    return (
+        f"{_num(ttft['p50']):>10}{_num(ttft['p99']):>10}{_num(t['output_token_throughput'], 1):>10}"
+        f"{_num(t['tokens_received'], 0):>9}{_num(t['window_tokens'], 0):>9}"
+        f"{_pct(t['window_share']):>8}{_pct(t['weight_share']):>8}"
+    )
+
+
+TENANT_HEAD = (
+    f"{'TTFT p50':>10}{'TTFT p99':>10}{'tok/s':>10}{'tokens':>9}{'window':>9}{'share':>8}"
+    f"{'weight':>8}"
+)
+
+
+def format_tenants(run: dict[str, Any]) -> str:
+    """Per-tenant rows of a multi-tenant run: requests, TTFT (ms), output tok/s over the
+    tenant's span, tokens received, tokens and share in the backlogged window, weight share."""
+    lines = [f"{'tenant':<12}{'priority':>12}{'done/sent':>10}" + TENANT_HEAD]
+    for t in run["tenants"]:
+        prio = "-" if t["priority"] is None else str(t["priority"])
+        done = f"{t['completed']}/{t['num_requests']}"
+        lines.append(f"{t['name'][:12]:<12}{prio[:12]:>12}{done:>10}" + _tenant_cells(t))
+    return "\n".join([*lines, _fairness_line(run)])
+
+
+def format_tenants_by_target(runs: list[dict[str, Any]]) -> str:
+    """The tenants of every multi-tenant run side by side, one row per target and tenant."""
+    runs = [r for r in runs if r.get("tenants")]
+    if len(runs) < 2:
+        return ""
+    lines = [f"{' tenants by target ':=^90}", f"{'target':<14}{'tenant':<10}" + TENANT_HEAD]
+    for run in runs:
+        for t in run["tenants"]:
+            lines.append(f"{run['target'][:14]:<14}{t['name'][:10]:<10}" + _tenant_cells(t))
+        lines.append(f"{run['target'][:14]:<14}{_fairness_line(run)}")
+    return "\n".join(lines)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from gapless.bench.fairness import tenant_report
 from gapless.bench.loadgen import LoadSpec, run_load
 from gapless.bench.metrics import samples, summarize
 from gapless.bench.targets import Target
@@ -49,4 +50,6 @@ async def bench_target(
         **timeline,
         "samples": samples(load.records),
     }
+    if workload.tenants:
+        run.update(tenant_report(load.records, load.t0, workload.tenants))
     return run, steps
