@@ -3,6 +3,7 @@
 bench --base-url http://127.0.0.1:8000 --workload 1024:64
 bench --launch --workload sharegpt -- --model ./my-model --max-num-seqs 128
 bench --target gapless=http://a:8000 --target other=http://b:8080 --output-json r.json
+bench --launch --tenants noisy-neighbor --plot-dir figs -- --device sim
 bench plot --from a.json b.json --plot-dir figs
 """
 
@@ -18,8 +19,15 @@ from pathlib import Path
 from typing import Any
 
 from gapless.bench.loadgen import LoadSpec
-from gapless.bench.report import format_ratios, format_run, ratios
+from gapless.bench.report import (
+    format_ratios,
+    format_run,
+    format_tenants,
+    format_tenants_by_target,
+    ratios,
+)
 from gapless.bench.targets import Target, normalize_url, parse_target, served_model, url_name
+from gapless.bench.tenants import TenantSpec, parse_tenants, read_tenants_file, specs_checked
 from gapless.bench.workloads import is_known
 
 JSON_SHAPE = """\
@@ -30,7 +38,15 @@ failed, errors, duration_s, request_throughput, output_token_throughput, ttft_ms
 itl_ms, e2e_ms ({mean, p50, p90, p99} in ms), device ("cpu", "cuda", "sim:<profile>"; null
 without an engine timeline), overlap, device_idle_fraction, step_breakdown_ms (median ms per
 step of schedule, prepare_inputs, forward, sample, apply_result), timeline and samples
-(per-request latencies for CDF plots)."""
+(per-request latencies for CDF plots). A multi-tenant run (--tenants) adds `tenants`, one object
+per tenant: name, priority, weight, start_s, rate, input_len, output_len, num_requests,
+completed, failed, ttft_ms, tokens_received, output_token_throughput (tok/s from its first send
+to its last token), first_send_s, last_token_s, window_tokens, window_share, weight_share and
+series ({t_s, tokens}: cumulative output tokens received, s after the run's start); and
+`fairness`: window_start_s, window_end_s, window_s, jain_index and note (why jain_index is
+null). The backlogged window runs from the latest tenant's first send to the earliest time a
+tenant received its last token; jain_index is (sum x)^2 / (n sum x^2) over x = a tenant's
+tokens received in the window divided by its weight."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -64,17 +80,28 @@ def build_parser() -> argparse.ArgumentParser:
         help="IN:OUT (fixed synthetic lengths, e.g. 1024:64), sharegpt or loogle; repeatable "
         "(default: 1024:64)",
     )
+    wo.add_argument(
+        "--tenants",
+        metavar="SPEC",
+        help="a multi-tenant run instead of --workload: NAME:n=N,in=LEN,out=LEN[,start=S]"
+        "[,rate=R][,priority=P][,weight=W] parts joined by ';' (LEN is N or LO-HI), or the "
+        "preset noisy-neighbor (A: 200 requests at once, out 16-256; B: 1 request 1 s later)",
+    )
+    wo.add_argument(
+        "--tenants-file",
+        metavar="JSON",
+        help='tenants as JSON: [{"name": "A", "n": 200, "in": 128, "out": "16-256", ...}]',
+    )
     wo.add_argument("--dataset", help="ShareGPT or LooGLE JSON (default: a synthetic length mix)")
     wo.add_argument(
         "--tokenizer",
         help="model dir or .gguf whose tokenizer measures prompts "
         "(default: the --model given after --launch, else SmolLM2-135M-Instruct)",
     )
-    wo.add_argument("--num-requests", type=int, default=300)
+    wo.add_argument("--num-requests", type=int, help="(default: 300)")
     wo.add_argument(
         "--request-rate",
         type=float,
-        default=float("inf"),
         help="requests/s, Poisson arrivals (default: inf, all at once)",
     )
     wo.add_argument("--max-concurrency", type=int, help="requests in flight at most")
@@ -119,6 +146,36 @@ def _flag_value(args: list[str], flag: str) -> str | None:
     return None
 
 
+def tenants_of(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[TenantSpec, ...]:
+    """The --tenants and --tenants-file tenants, in that order; () without either."""
+    if args.tenants is None and args.tenants_file is None:
+        return ()
+    for flag, value in (
+        ("--workload", args.workload),
+        ("--num-requests", args.num_requests),
+        ("--request-rate", args.request_rate),
+        ("--dataset", args.dataset),
+    ):
+        if value is not None:
+            parser.error(
+                f"{flag} does not apply to --tenants (give n=, rate=, in=, out= per tenant)"
+            )
+    from_spec: tuple[TenantSpec, ...] = ()
+    from_file: tuple[TenantSpec, ...] = ()
+    try:
+        from_spec = () if args.tenants is None else parse_tenants(args.tenants)
+    except ValueError as exc:
+        parser.error(f"--tenants: {exc}")
+    try:
+        from_file = () if args.tenants_file is None else read_tenants_file(args.tenants_file)
+    except ValueError as exc:
+        parser.error(f"--tenants-file {exc}")
+    try:
+        return specs_checked([*from_spec, *from_file])
+    except ValueError as exc:
+        parser.error(f"--tenants with --tenants-file: {exc}")
+
+
 def _interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
@@ -139,7 +196,10 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("arguments after -- are for gapless serve; add --launch")
     if not (args.launch or args.base_url or args.target):
         parser.error("name a server: --base-url URL, --target NAME=URL or --launch")
-    args.workload = args.workload or ["1024:64"]
+    args.tenant_specs = tenants_of(parser, args)
+    args.workload = args.workload or ([] if args.tenant_specs else ["1024:64"])
+    args.num_requests = 300 if args.num_requests is None else args.num_requests
+    args.request_rate = float("inf") if args.request_rate is None else args.request_rate
     for spec in args.workload:
         if not is_known(spec):
             parser.error(f"unknown workload {spec!r}: use IN:OUT (e.g. 1024:64), sharegpt, loogle")
@@ -181,6 +241,7 @@ def run(args: argparse.Namespace, serve_args: list[str]) -> int:
 def bench_targets(args: argparse.Namespace, targets: list[Target], tokenizer: str | None) -> int:
     from gapless.bench.prompts import PromptMaker
     from gapless.bench.run import bench_target
+    from gapless.bench.tenants import build_tenant_workload
     from gapless.bench.workloads import build_workload
     from gapless.core.common.model_files import load_tokenizer, resolve_model
 
@@ -188,16 +249,24 @@ def bench_targets(args: argparse.Namespace, targets: list[Target], tokenizer: st
     limits = [s.max_model_len for s in served.values() if s.max_model_len]
     info = resolve_model(tokenizer or None)
     maker = PromptMaker(load_tokenizer(info), info.add_bos_token)
-    runs, steps_of = [], {}
-    for spec in args.workload:
-        workload = build_workload(
+    cap = min(limits) if limits else None
+    workloads = [
+        build_workload(
             spec,
             maker,
             num_requests=args.num_requests,
             seed=args.seed,
             dataset=args.dataset,
-            max_model_len=min(limits) if limits else None,
+            max_model_len=cap,
         )
+        for spec in args.workload
+    ]
+    if args.tenant_specs:
+        workloads.append(
+            build_tenant_workload(args.tenant_specs, maker, seed=args.seed, max_model_len=cap)
+        )
+    runs, steps_of = [], {}
+    for workload in workloads:
         load = LoadSpec(
             request_rate=args.request_rate,
             max_concurrency=args.max_concurrency,
@@ -214,9 +283,13 @@ def bench_targets(args: argparse.Namespace, targets: list[Target], tokenizer: st
             runs.append(run)
             steps_of[len(runs) - 1] = steps
             print(format_run(run), flush=True)
+            if run.get("tenants"):
+                print(format_tenants(run), flush=True)
     table = ratios(runs)
     if table:
         print(format_ratios(table))
+    if by_target := format_tenants_by_target(runs):
+        print(by_target)
     if args.output_json:
         doc: Any = runs[0] if len(runs) == 1 else {"runs": runs, "ratios": table}
         path = Path(args.output_json)

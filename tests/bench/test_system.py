@@ -119,3 +119,28 @@ def test_bench_launches_and_stops_gapless(tiny_model_dir, tmp_path, capsys):
     port = int(run["base_url"].rsplit(":", 1)[1])
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"http://127.0.0.1:{port}/health", timeout=2)
+
+
+def test_bench_tenants_against_launched_gapless(tiny_model_dir, tmp_path, capsys):
+    out_json, plot_dir = tmp_path / "tenants.json", tmp_path / "plots"
+    with pytest.raises(SystemExit) as exc:
+        main(
+            [
+                "--launch",
+                "--tenants", "A:n=4,in=16,out=8-16;B:n=2,in=16,out=8,start=0.2,priority=interactive",
+                "--no-progress",
+                "--output-json", str(out_json),
+                "--plot-dir", str(plot_dir),
+                "--",
+                "--model", str(tiny_model_dir),
+                "--dtype", "float32",
+                "--max-num-seqs", "2",
+            ]
+        )  # fmt: skip
+    assert exc.value.code == 0, capsys.readouterr()
+    run = json.loads(out_json.read_text())
+    assert run["target"] == "gapless" and run["device"] == "cpu"
+    assert [(t["name"], t["completed"]) for t in run["tenants"]] == [("A", 4), ("B", 2)]
+    assert run["tenants"][1]["priority"] == "interactive"
+    assert set(run["fairness"]) >= {"window_start_s", "window_end_s", "jain_index", "note"}
+    assert_png(plot_dir / "tenants_gapless_tenants_A_B.png")

@@ -5,6 +5,7 @@ import math
 
 import pytest
 
+from gapless.bench.cli import main
 from gapless.bench.tenants import (
     NOISY_NEIGHBOR,
     Lengths,
@@ -14,6 +15,8 @@ from gapless.bench.tenants import (
     read_tenants_file,
     workload_name,
 )
+from tests.bench.fake_openai import FakeOpenAI, ThreadedServer
+from tests.bench.test_plots import assert_png
 
 
 def test_parse_spec():
@@ -98,3 +101,78 @@ def test_tenant_workload(maker):
     assert sorted(r.arrival_s for r in b) == [r.arrival_s for r in b] and b[-1].arrival_s > 0.5
     with pytest.raises(ValueError, match="tenant 'A': in \\+ out can reach 21"):
         build_tenant_workload(specs, maker, seed=3, max_model_len=20)
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--tenants", "A:n=1"], "--tenants: tenant 'A': missing in, out"),
+        (["--tenants", "noisy-neighbor", "--workload", "8:4"], "--workload does not apply"),
+        (["--tenants", "noisy-neighbor", "--num-requests", "3"], "--num-requests does not"),
+        (["--tenants-file", "/nonexistent.json"], "--tenants-file /nonexistent.json"),
+    ],
+)
+def test_cli_rejects_bad_tenants(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--base-url", "http://x", *argv])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_tenant_run_against_two_fake_servers(default_gguf, tmp_path, capsys):
+    apps = [FakeOpenAI(delay_s=0.003), FakeOpenAI(delay_s=0.003)]
+    out_json, plot_dir = tmp_path / "r.json", tmp_path / "plots"
+    spec = "A:n=6,in=8,out=40-60;B:n=2,in=8,out=20,start=0.02,priority=interactive,weight=2"
+    with ThreadedServer(apps[0]) as fcfs, ThreadedServer(apps[1]) as fair:
+        with pytest.raises(SystemExit) as exc:
+            main(
+                [
+                    "--target", f"fcfs={fcfs.url}",
+                    "--target", f"fair={fair.url}",
+                    "--tenants", spec,
+                    "--tokenizer", str(default_gguf),
+                    "--no-progress",
+                    "--output-json", str(out_json),
+                    "--plot-dir", str(plot_dir),
+                ]
+            )  # fmt: skip
+    printed = capsys.readouterr().out
+    assert exc.value.code == 0, printed
+    assert "Jain's fairness index" in printed and "tenants by target" in printed
+
+    for app in apps:
+        tenants = [h.get("x-tenant") for h in app.headers]
+        assert sorted(tenants) == ["A"] * 6 + ["B"] * 2
+        for header, body in zip(app.headers, app.bodies, strict=True):
+            assert body["user"] == header["x-tenant"]
+            assert body.get("priority") == ("interactive" if body["user"] == "B" else None)
+            assert ("priority" in body) == (body["user"] == "B")
+
+    doc = json.loads(out_json.read_text())
+    assert [r["target"] for r in doc["runs"]] == ["fcfs", "fair"]
+    for run in doc["runs"]:
+        assert run["workload"] == "tenants:A+B" and run["completed"] == 8
+        assert set(run["fairness"]) == {
+            "window_start_s", "window_end_s", "window_s", "jain_index", "note"
+        }  # fmt: skip
+        assert 0.5 <= run["fairness"]["jain_index"] <= 1.0  # 1/n .. 1 for two tenants
+        a, b = run["tenants"]
+        assert set(a) == TENANT_KEYS
+        assert (a["name"], a["num_requests"], a["completed"]) == ("A", 6, 6)
+        assert (b["name"], b["num_requests"], b["weight"], b["weight_share"]) == (
+            "B",
+            2,
+            2.0,
+            2 / 3,
+        )
+        assert b["tokens_received"] == 40 and 6 * 40 <= a["tokens_received"] <= 6 * 60
+        assert a["series"]["tokens"][-1] == a["tokens_received"]
+        assert b["first_send_s"] >= 0.02 and b["ttft_ms"]["p99"] > 0
+        assert_png(plot_dir / f"tenants_{run['target']}_tenants_A_B.png", min_bytes=20000)
+
+
+TENANT_KEYS = {
+    "name", "priority", "weight", "start_s", "rate", "input_len", "output_len", "num_requests",
+    "completed", "failed", "ttft_ms", "tokens_received", "output_token_throughput",
+    "first_send_s", "last_token_s", "window_tokens", "window_share", "weight_share", "series",
+}  # fmt: skip
