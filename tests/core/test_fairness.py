@@ -69,6 +69,7 @@ def test_noisy_neighbor(default_gguf):
         h.run(merge(tenant_requests("A", 200, outs), tenant_requests("B", 1, 32, start=10)))
         assert len(h.outputs["B10-0"]) == 32 and h.finish["B10-0"] == "length"
         got[policy] = ttft(h, "B10-0")
+    print(f"noisy neighbor: B's TTFT fair {got['fair']} steps, fcfs {got['fcfs']} steps (sim)")
     assert got["fair"] <= 0.2 * got["fcfs"], got
 
 
@@ -78,6 +79,7 @@ def test_equal_tenants_share_equally(default_gguf):
     first, last = all_backlogged(h, "PQRS")
     assert last - first > 50, "a window long enough to measure"
     received = [tokens_in(h, t, first, last) for t in "PQRS"]
+    print(f"equal tenants: {received} tokens in {last - first} steps, Jain {jain(received):.4f}")
     assert jain(received) >= 0.99, received
 
 
@@ -87,6 +89,7 @@ def test_weights_two_to_one(default_gguf):
     h.run(merge(tenant_requests("H", 120, 48), tenant_requests("L", 120, 48)))
     first, last = all_backlogged(h, "HL")
     ratio = tokens_in(h, "H", first, last) / tokens_in(h, "L", first, last)
+    print(f"weights 2:1: tokens received {ratio:.3f}:1 in {last - first} steps (sim)")
     assert 1.9 <= ratio <= 2.1, ratio
 
 
@@ -104,6 +107,7 @@ def test_a_returning_tenant_gets_no_more_than_its_share(default_gguf):
     first, last = all_backlogged(h, "AB", since=back)
     last = min(last, first + 100)
     b, a = tokens_in(h, "B", first, last), tokens_in(h, "A", first, last)
+    print(f"returning tenant: {b / (a + b):.3f} of the tokens in {last - first} steps after")
     assert b / (a + b) <= 0.55, (a, b)
 
 
@@ -114,6 +118,7 @@ def test_alone_fair_costs_nothing(default_gguf):
         h.run(tenant_requests("A", 60, np.arange(16, 76).tolist()))
         steps[policy] = h.steps
         busy[policy] = h.core.timeline.summary().busy_s
+    print(f"alone: steps {steps}, sim device busy s {busy}")
     assert steps["fair"] == steps["fcfs"], "the same plans whatever the policy"
     assert busy["fair"] <= busy["fcfs"] * 1.05  # sim device time
 
@@ -133,6 +138,7 @@ def test_interactive_overtakes_a_batch_backlog_and_batch_loses_nothing(tiny_mode
     busy.run(merge(batch, {3: vip}))
 
     assert busy.scheduler.num_preemptions >= 1, "every seat was taken by batch work"
+    print(f"priority: vip TTFT {ttft(busy, 'vip')} steps behind batch, {ttft(idle, 'vip')} idle")
     assert ttft(busy, "vip") <= 3 * ttft(idle, "vip")
     assert busy.outputs["vip"] == idle.outputs["vip"]
     for i in range(6):
