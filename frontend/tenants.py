@@ -65,6 +65,11 @@ def tenant_of(caller: Caller, header: str | None, user: str | None) -> str:
     """The key's tenant if it fixes one; else X-Tenant, else `user`, else the caller's."""
     if caller.fixed:
         return caller.tenant
+    if header:
+        try:  # why: the header came as latin-1; as UTF-8 it names the tenant `user` would
+            header = header.encode("latin-1").decode("utf-8")
+        except UnicodeDecodeError:
+            raise bad_request("the tenant (X-Tenant) is not UTF-8", param="X-Tenant") from None
     for name, tenant in (("X-Tenant", header), ("user", user)):
         if tenant:
             try:

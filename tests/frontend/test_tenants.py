@@ -86,8 +86,18 @@ async def test_without_keys_the_request_names_its_tenant(client, engine, path, b
     assert await _post(client, engine, path, {**body, "user": ""}, x_tenant="") == ("", 0)
 
 
+async def test_x_tenant_is_utf8_like_user(client, engine) -> None:
+    path, body = ENDPOINTS[0]
+    r = await client.post(path, json=body, headers={"x-tenant": "équipe—b".encode()})
+    assert r.status_code == 200, r.text
+    assert engine.added.pop().tenant == "équipe—b"
+    assert await _post(client, engine, path, {**body, "user": "équipe—b"}) == ("équipe—b", 0)
+
+
 @pytest.mark.parametrize(("path", "body"), ENDPOINTS)
-@pytest.mark.parametrize("header", ["a\tb", "a\x7fb", "x" * 257])
+@pytest.mark.parametrize(
+    "header", [b"a\tb", b"a\x7fb", b"x" * 257, b"\xe9quipe", "\u0085".encode()]
+)
 async def test_a_bad_x_tenant_is_a_400(client, engine, path, body, header) -> None:
     r = await client.post(path, json=body, headers={"x-tenant": header})
     assert r.status_code == 400, r.text
