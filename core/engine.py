@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from gapless.core.common.config import EngineConfig
 from gapless.core.common.messages import (
+    QUEUE_STATE_INTERVAL_S,
     Abort,
     AddRequest,
     CoreInput,
@@ -23,6 +24,7 @@ from gapless.core.common.messages import (
     FrontendInput,
     GetStats,
     GetTimeline,
+    QueueState,
     Shutdown,
     StepPlan,
     StepResult,
@@ -36,6 +38,7 @@ from gapless.core.request import Request
 from gapless.core.scheduler import ScheduledStep, Scheduler, StepOutput
 from gapless.core.timeline import DeviceTimeline
 
+ADMIT_WINDOW_S = 10.0  # the admission rate in QueueState is over this long
 PROMPT_TAIL = 4  # prompt ids the detokenizer decodes in front of the first output token
 CLIENT_REASON = {"stop_token": "stop"}  # end reasons as clients and metrics name them
 
@@ -74,10 +77,13 @@ class EngineCore:
         )
         self.inflight: deque[ScheduledStep] = deque()
         self.timeline = DeviceTimeline(config)
-        self.metrics = metrics or CoreMetrics()
+        self.metrics = metrics or CoreMetrics(known_tenants=tuple(config.tenants))
         self.shutdown = False
         self._out = EngineOutputs()
         self._ended: list[tuple[str, str, str]] = []  # (request id, end reason, error) to send
+        self._queue_sent_at = -1.0  # time.monotonic() of the last QueueState
+        self._queue_state: QueueState | None = None
+        self._admitted: deque[tuple[float, int]] = deque()  # (monotonic, seats given), 10 s
 
     @property
     def has_work(self) -> bool:
@@ -152,12 +158,53 @@ class EngineCore:
         out = None
         if result is not None:
             out = self._apply(result)
+        now = time.monotonic()
+        if self.config.max_queue_wait_s is not None:
+            self._expire_waiting(now, self.config.max_queue_wait_s)
         if out is not None or self._ended:
             self._out.detok.append(self._token_batch(out))
         self._plan_ahead()
         self.metrics.observe_queues(self.scheduler)
+        if now - self._queue_sent_at >= QUEUE_STATE_INTERVAL_S:
+            self._send_queue_state(now)
         outputs, self._out = self._out, EngineOutputs()
         return outputs
+
+    def _expire_waiting(self, now: float, limit_s: float) -> None:
+        """End requests that have waited longer than limit_s for their first step."""
+        expired = [
+            r for r in self.scheduler.policy if not r.started and now - r.queued_at > limit_s
+        ]
+        for req in expired:
+            waited = now - req.queued_at
+            why = f"waited {waited:.1f} s for a seat, longer than --max-queue-wait {limit_s:g} s"
+            self._end(req, "queue_timeout", why)
+
+    def _send_queue_state(self, now: float) -> None:
+        """Tell every frontend what waits, per frontend and tenant, if that changed; and the
+        per-tenant series of /metrics."""
+        n = self.config.api_servers
+        waiting, tokens = [0] * n, [0] * n
+        tenants: list[dict[str, int]] = [{} for _ in range(n)]
+        priorities: dict[int, int] = {}
+        for req in self.scheduler.waiting_requests():
+            f = req.frontend_id
+            waiting[f] += 1
+            tokens[f] += req.num_prompt
+            tenants[f][req.tenant] = tenants[f].get(req.tenant, 0) + 1
+            priorities[req.priority] = priorities.get(req.priority, 0) + 1
+        admitted = self._admitted
+        while admitted and admitted[0][0] < now - ADMIT_WINDOW_S:
+            admitted.popleft()
+        rate = sum(k for _, k in admitted) / ADMIT_WINDOW_S
+        self.metrics.observe_tenants(tenants, priorities, self.scheduler)
+        last = self._queue_state
+        if last is not None and (last.waiting, last.waiting_tokens) == (waiting, tokens):
+            if last.tenant_waiting == tenants:
+                return
+        state = QueueState(waiting, tokens, tenants, rate)
+        self._queue_state, self._queue_sent_at = state, now
+        self._out.frontend.extend((f, state) for f in range(n))
 
     def _plan_ahead(self) -> None:
         while len(self.inflight) < self.depth:
@@ -169,6 +216,8 @@ class EngineCore:
             step.schedule_s = step.plan_sent - t0
             self._out.plans.append(step.plan)
             self.inflight.append(step)
+            if step.plan.new_slots:
+                self._admitted.append((time.monotonic(), len(step.plan.new_slots)))
             self.metrics.step_planned(step, self.scheduler.running)
 
     def _apply(self, result: StepResult) -> StepOutput:

@@ -7,6 +7,7 @@ import time
 from collections import deque
 from typing import TYPE_CHECKING
 
+import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from gapless.core.common.metrics import FINISH_REASONS, REQUEST_BUCKETS, stage_histogram
@@ -18,6 +19,7 @@ if TYPE_CHECKING:
     from gapless.core.timeline import DeviceTimeline
 
 IDLE_WINDOW_S = 10.0  # the idle-fraction gauge covers the steps of the last 10 s of device time
+MAX_TENANT_LABELS = 20  # tenants with a label of their own; the rest are "other"
 
 
 class IdleWindow:
@@ -47,7 +49,9 @@ class CoreMetrics:
     """The core's series: stages of a step (the runner's from its StepTiming), device busy and
     idle, queue gauges, and request counts by how they ended."""
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self, registry: CollectorRegistry | None = None, known_tenants: tuple[str, ...] = ()
+    ) -> None:
         r = registry
         stage = stage_histogram(r)
         self.queue_wait = stage.labels("queue_wait")
@@ -110,6 +114,33 @@ class CoreMetrics:
         self.generation_tokens = Counter(
             "gapless_generation_tokens", "Tokens sampled for live requests", registry=r
         )
+        self.tenant_waiting = Gauge(
+            "gapless_tenant_requests_waiting", "Requests waiting for a seat, by tenant",
+            ["tenant"], multiprocess_mode=mode, registry=r,
+        )  # fmt: skip
+        self.priority_waiting = Gauge(
+            "gapless_priority_requests_waiting", "Requests waiting for a seat, by priority",
+            ["priority"], multiprocess_mode=mode, registry=r,
+        )  # fmt: skip
+        self.tenant_tokens = Counter(
+            "gapless_tenant_service_tokens",
+            "Tokens served per tenant: prompt tokens computed (once each), outputs sampled",
+            ["tenant", "kind"],
+            registry=r,
+        )
+        self.decisions = Counter(
+            "gapless_scheduler_decisions",
+            "Scheduling policy choices: aged (a request past --priority-aging went first), "
+            "preempt_priority (for a request of a lower priority number), preempt_kv",
+            ["decision"],
+            registry=r,
+        )
+        # tenant -> its label: configured tenants first, then the first seen, up to the bound
+        self._labels = {t: t for t in known_tenants[:MAX_TENANT_LABELS]}
+        self._served = (np.zeros(0, np.int64), np.zeros(0, np.int64))  # counted so far
+        self._waiting_labels: set[str] = set()
+        self._priorities: set[int] = set()
+        self._decided = (0, 0, 0)  # (aged, preempt_priority, preempt_kv) counted so far
         self._window = IdleWindow()
         self._arrived: dict[str, float] = {}  # request id -> perf_counter in the core, until run
         self._busy_s = self._idle_s = 0.0  # the timeline's totals already counted
@@ -201,3 +232,51 @@ class CoreMetrics:
         ):
             if value != old:
                 gauge.set(value)
+
+    # tenants ------------------------------------------------------------------------------
+
+    def tenant_label(self, tenant: str) -> str:
+        label = self._labels.get(tenant)
+        if label is None:
+            label = tenant if len(self._labels) < MAX_TENANT_LABELS else "other"
+            self._labels[tenant] = label
+        return label
+
+    def observe_tenants(
+        self,
+        tenant_waiting: list[dict[str, int]],
+        priority_waiting: dict[int, int],
+        scheduler: Scheduler,
+    ) -> None:
+        """Per-tenant and per-priority queue depth, tokens served and policy choices; called
+        when the waiting queue changed, at most every QUEUE_STATE_INTERVAL_S."""
+        waiting: dict[str, int] = dict.fromkeys(self._waiting_labels, 0)
+        for per_frontend in tenant_waiting:
+            for tenant, n in per_frontend.items():
+                label = self.tenant_label(tenant)
+                waiting[label] = waiting.get(label, 0) + n
+        for label, n in waiting.items():
+            self.tenant_waiting.labels(label).set(n)
+        self._waiting_labels = {label for label, n in waiting.items() if n}
+        for priority in self._priorities | set(priority_waiting):
+            self.priority_waiting.labels(str(priority)).set(priority_waiting.get(priority, 0))
+        self._priorities = set(priority_waiting)
+        policy = scheduler.policy
+        served = (policy.prompt_tokens, policy.output_tokens)
+        for kind, now, before in zip(("prompt", "output"), served, self._served, strict=True):
+            grown = now - np.pad(before, (0, len(now) - len(before)))  # [T] tokens since last
+            for t in np.flatnonzero(grown).tolist():
+                label = self.tenant_label(policy.tenants[t])
+                self.tenant_tokens.labels(label, kind).inc(int(grown[t]))
+        self._served = (policy.prompt_tokens.copy(), policy.output_tokens.copy())
+        decided = (
+            policy.num_aged,
+            scheduler.num_priority_preemptions,
+            scheduler.num_preemptions - scheduler.num_priority_preemptions,
+        )
+        for name, now_n, before_n in zip(
+            ("aged", "preempt_priority", "preempt_kv"), decided, self._decided, strict=True
+        ):
+            if now_n > before_n:
+                self.decisions.labels(name).inc(now_n - before_n)
+        self._decided = decided

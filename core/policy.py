@@ -44,6 +44,12 @@ class Policy:
         self.aging_s = aging_s
         self.clock = clock
         self._queue: list[Request] = []  # every waiting request, by seq
+        self.num_aged = 0  # times an aged request went first
+        # [T] tokens served per tenant: prompt tokens computed (once each), outputs sampled
+        self.prompt_tokens = np.zeros(0, np.int64)
+        self.output_tokens = np.zeros(0, np.int64)
+        self.tenants: list[str] = []  # tenant of each index
+        self._ids: dict[str, int] = {}
 
     def __len__(self) -> int:
         return len(self._queue)
@@ -66,6 +72,7 @@ class Policy:
     def _aged(self) -> Request | None:
         oldest = self._queue[0] if self._queue else None
         if oldest is not None and self.clock() - oldest.queued_at >= self.aging_s:
+            self.num_aged += 1
             return oldest
         return None
 
@@ -77,15 +84,27 @@ class Policy:
         """May `waiting` preempt `running` to get a seat or KV blocks?"""
         return False
 
-    # service accounting: only `fair` keeps it
+    # service accounting, per tenant (for metrics; `fair` also schedules by it)
     def tenant_id(self, tenant: str) -> int:
-        return 0
+        t = self._ids.get(tenant)
+        if t is None:
+            t = self._ids[tenant] = len(self.tenants)
+            self.tenants.append(tenant)
+            self.prompt_tokens = np.append(self.prompt_tokens, 0)
+            self.output_tokens = np.append(self.output_tokens, 0)
+            self._new_tenant(tenant)
+        return t
+
+    def _new_tenant(self, tenant: str) -> None:
+        pass
 
     def charge_prompt(self, req: Request, num_tokens: int) -> None:
-        pass
+        self.prompt_tokens[req.tenant_id] += num_tokens
 
     def charge_outputs(self, tenant_ids: np.ndarray) -> None:
-        pass
+        """One sampled token for each entry of tenant_ids [R]."""
+        n = len(self.output_tokens)
+        self.output_tokens += np.bincount(tenant_ids, minlength=n)[:n]
 
 
 class PriorityPolicy(Policy):
@@ -136,23 +155,16 @@ class FairPolicy(PriorityPolicy):
         super().__init__(aging_s, clock)
         self.output_weight = output_weight
         self._weights = dict(weights or {})  # tenant -> weight; unknown tenants weigh 1
-        self._ids: dict[str, int] = {}  # tenant -> index into the arrays below
-        self.tenants: list[str] = []
         self.counters = np.zeros(0)  # [T] weighted service: tokens / weight
         self._inv_weight = np.zeros(0)  # [T] 1 / weight
         self._backlog = np.zeros(0, np.int64)  # [T] waiting requests per tenant
         # priority -> tenant id -> that tenant's waiting requests of the class, by seq
         self._tenant_queues: dict[int, dict[int, list[Request]]] = {}
 
-    def tenant_id(self, tenant: str) -> int:
-        t = self._ids.get(tenant)
-        if t is None:
-            t = self._ids[tenant] = len(self.tenants)
-            self.tenants.append(tenant)
-            self.counters = np.append(self.counters, 0.0)
-            self._inv_weight = np.append(self._inv_weight, 1.0 / self._weights.get(tenant, 1.0))
-            self._backlog = np.append(self._backlog, 0)
-        return t
+    def _new_tenant(self, tenant: str) -> None:
+        self.counters = np.append(self.counters, 0.0)
+        self._inv_weight = np.append(self._inv_weight, 1.0 / self._weights.get(tenant, 1.0))
+        self._backlog = np.append(self._backlog, 0)
 
     def add(self, req: Request) -> None:
         t = req.tenant_id
@@ -184,12 +196,13 @@ class FairPolicy(PriorityPolicy):
         return min(queues, key=lambda q: (counters[q[0].tenant_id], q[0].seq))[0]
 
     def charge_prompt(self, req: Request, num_tokens: int) -> None:
+        super().charge_prompt(req, num_tokens)
         self.counters[req.tenant_id] += num_tokens * self._inv_weight[req.tenant_id]
 
     def charge_outputs(self, tenant_ids: np.ndarray) -> None:
-        """One sampled token for each entry of tenant_ids [R]."""
         n = len(self.counters)
         tokens = np.bincount(tenant_ids, minlength=n)[:n]
+        self.output_tokens += tokens
         self.counters += tokens * self.output_weight * self._inv_weight
 
 

@@ -68,6 +68,7 @@ class Request:
         "queued_at",
         "tenant_id",
         "prompt_charged",
+        "started",
         "limit",
         "status",
         "slot",
@@ -89,6 +90,7 @@ class Request:
         self.queued_at = time.monotonic()  # when it reached the core (aging counts from here)
         self.tenant_id = 0  # the policy's index of the tenant
         self.prompt_charged = 0  # prompt tokens charged to the tenant (a recompute is free)
+        self.started = False  # got a seat once (a preempted request has)
         self.limit = int(
             length_limit(len(msg.prompt_token_ids), msg.params.max_tokens, batch.max_model_len)
         )

@@ -9,6 +9,7 @@ applied with array operations over the batch.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -69,7 +70,8 @@ class Scheduler:
         self.running: list[Request] = []  # admission order; the newest is preempted first
         self._run_slots: np.ndarray | None = None  # slots of `running`, rebuilt on change
         self.requests: dict[str, Request] = {}
-        self.num_preemptions = 0
+        self.num_preemptions = 0  # all, for KV blocks or for priority
+        self.num_priority_preemptions = 0
         self._num_added = 0
         self._seq = 0
 
@@ -84,10 +86,15 @@ class Scheduler:
         self.policy.add(req)
         return req
 
+    def waiting_requests(self) -> Iterator[Request]:
+        """Requests waiting for a seat (preempted ones included), in no particular order."""
+        yield from self.policy
+        yield from self._parked
+
     @property
     def waiting(self) -> list[Request]:
         """Requests waiting for a seat, in arrival order (preempted ones included)."""
-        return sorted([*self.policy, *self._parked], key=lambda r: r.seq)
+        return sorted(self.waiting_requests(), key=lambda r: r.seq)
 
     @property
     def num_waiting(self) -> int:
@@ -200,6 +207,7 @@ class Scheduler:
             if has_seat and self.blocks.can_allocate(self.blocks.blocks_for(first_chunk)):
                 return
             self.preempt(victim)
+            self.num_priority_preemptions += 1
 
     def _admit(self, budget: int) -> tuple[list[NewSlot], np.ndarray, np.ndarray]:
         """Waiting requests take seats in the policy's order while the budget and KV blocks
@@ -218,6 +226,7 @@ class Scheduler:
                 break
             policy.remove(req)
             req.status = Status.RUNNING
+            req.started = True
             self.rb.admit(req, self.slots.allocate())
             req.blocks = self.blocks.allocate(nb)
             self.rb.num_blocks[req.slot] = nb

@@ -69,11 +69,14 @@ class RequestDetokenizer:
                 logprobs = logprobs[:used]
         self.num_output_tokens += used
         reason: str | None = None
+        code = None
         if self.stop_hit:
             reason = "stop"
         elif end:
             text += self._flush()
             reason = "stop" if self.stop_hit or end == "stop_token" else end
+            if reason == "queue_timeout":  # the client's load, not an engine fault
+                reason, code = "error", "queue_timeout"
         if reason is None and not text and logprobs is None:
             self._unsent.extend(ids)
             return None
@@ -89,6 +92,7 @@ class RequestDetokenizer:
             reason,
             logprobs,
             (error or "engine error") if reason == "error" else None,
+            code,
         )
 
     def fail(self, message: str, num_prompt_tokens: int) -> TextDelta:

@@ -52,6 +52,7 @@ class Harness:
         self.token_steps: dict[str, list[int]] = {}  # the step each of those ids arrived at
         self.arrived: dict[str, int] = {}  # the step each request joined before
         self.backlogged: list[set[str]] = []  # per step: tenants with requests waiting
+        self.frontend: list = []  # what the core sent frontends (queue states, replies)
         self.finish: dict[str, str] = {}  # the core's end reason
         self.deltas: dict[str, list[TextDelta]] = {}  # what the frontend would receive
         self.steps = 0
@@ -97,6 +98,7 @@ class Harness:
             self.max_inflight = max(self.max_inflight, len(inflight))
             for msg in out.detok:
                 self._detokenize(msg)
+            self.frontend += [msg for _, msg in out.frontend]
             result = self.backend.collect(inflight.popleft()) if inflight else None
             self.steps += 1
             assert self.steps < 10_000, "engine made no progress"

@@ -118,6 +118,14 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             extra={"flag": "priority-aging"},
         ),
     ] = 30.0
+    max_queue_wait_s: Annotated[
+        float | None,
+        msgspec.Meta(
+            description="end a request that has waited this many seconds for its first step "
+            "with an error (HTTP 429 when not streaming) instead of letting it wait on",
+            extra={"flag": "max-queue-wait", "metavar": "S"},
+        ),
+    ] = None
     # runner
     threads: Annotated[
         int,

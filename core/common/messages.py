@@ -20,8 +20,10 @@ import msgspec
 FinishReason = Literal["stop", "length", "abort", "error"]  # what a client sees
 # How a request ended, as the core tells the detokenizer (docs/architecture.md, "A request's end"):
 # "stop_token": the last id is EOS or a stop token id; its text is withheld unless
-# include_stop_str_in_output. A stop string is found by the detokenizer, never sent here.
-EndReason = Literal["stop_token", "length", "abort", "error"]
+# include_stop_str_in_output. "queue_timeout": it waited longer than --max-queue-wait for its
+# first step (the client sees an error with code queue_timeout: HTTP 429 when not streaming).
+# A stop string is found by the detokenizer, never sent here.
+EndReason = Literal["stop_token", "length", "abort", "error", "queue_timeout"]
 
 
 class _Msg(msgspec.Struct, tag=True, array_like=True, omit_defaults=True, gc=False):
@@ -229,6 +231,7 @@ class TextDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     finish_reason: str | None = None
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None
+    code: str | None = None  # with error: "queue_timeout" (the client's load), else an engine fault
 
 
 class TextDeltas(_Msg):
@@ -285,7 +288,20 @@ class Timeline(_Msg):
     summary: TimelineSummary
 
 
-FrontendInput = TextDeltas | EngineDead | EngineStats | Timeline
+class QueueState(_Msg):
+    """The core's waiting queue as admission control needs it, sent to every frontend when it
+    changed, at most every QUEUE_STATE_INTERVAL_S. Lists are indexed by frontend id; "waiting"
+    means waiting for a seat (preempted requests included), counted per engine request."""
+
+    waiting: list[int]  # requests
+    waiting_tokens: list[int]  # their prompt tokens
+    tenant_waiting: list[dict[str, int]]  # requests per tenant (tenants with none left out)
+    admitted_per_s: float  # requests that got a seat per second, over the last 10 s
+
+
+QUEUE_STATE_INTERVAL_S = 0.02
+
+FrontendInput = TextDeltas | EngineDead | EngineStats | Timeline | QueueState
 
 
 # ---------------------------------------------------------------- every process -> supervisor

@@ -40,6 +40,7 @@ FLAGS = {
     "--scheduling-policy {fair,priority,fcfs}": "fair",
     "--fair-output-weight": "2.0",
     "--priority-aging": "30.0",
+    "--max-queue-wait S": None,
     "--threads": str(default_threads()),
     "--seed": "0",
     "--sim-profile": "h100-llama3-8b",

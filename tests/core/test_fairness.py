@@ -4,11 +4,15 @@ Time is counted in engine steps; tokens per tenant are those the detokenizer rec
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
+from prometheus_client import CollectorRegistry
 
 from gapless.core.common.config import TenantSpec
-from gapless.core.common.messages import SamplingParams
+from gapless.core.common.messages import QUEUE_STATE_INTERVAL_S, QueueState, SamplingParams
+from gapless.core.metrics import CoreMetrics
 from tests.conftest import sim_config
 from tests.engine_harness import Harness, make_config
 
@@ -152,3 +156,40 @@ def test_every_policy_finishes_everything(default_gguf, policy):
     h.run(merge(tenant_requests("A", 12, 20), tenant_requests("B", 3, 20, start=2)))
     assert set(h.finish.values()) == {"length"} and len(h.finish) == 15
     assert h.scheduler.blocks.num_free == h.scheduler.blocks.num_usable
+
+
+def test_tenant_series_and_queue_state(default_gguf):
+    registry = CollectorRegistry()
+    config = sim_config(default_gguf, sim_profile="a100-llama-1.3b", max_num_seqs=4)
+    h = Harness(config, metrics=CoreMetrics(registry))
+    h.run(merge(tenant_requests("A", 12, 20), tenant_requests("B", 2, 20, start=1)))
+    time.sleep(QUEUE_STATE_INTERVAL_S)
+    h.core.step()  # the process loop steps while idle too: the last tokens reach the series
+    value = registry.get_sample_value
+    for tenant, n in (("A", 12), ("B", 2)):
+        labels = {"tenant": tenant}
+        assert value("gapless_tenant_service_tokens_total", {**labels, "kind": "prompt"}) == 32 * n
+        assert value("gapless_tenant_service_tokens_total", {**labels, "kind": "output"}) == 20 * n
+        assert value("gapless_tenant_requests_waiting", labels) == 0, "nothing waits at the end"
+    states = [m for m in h.frontend if isinstance(m, QueueState)]
+    assert max(s.tenant_waiting[0].get("A", 0) for s in states) == 12 - 4
+    assert states[-1].waiting == [0] and states[-1].admitted_per_s > 0
+
+
+def test_a_request_that_waits_too_long_is_ended(default_gguf):
+    config = sim_config(
+        default_gguf, sim_profile="a100-llama3-8b", max_num_seqs=1, max_queue_wait_s=0.05
+    )
+    h = Harness(config)
+    h.run(
+        {
+            0: [
+                ("long", PROMPT, SamplingParams(max_tokens=40)),
+                ("late", PROMPT, SamplingParams(max_tokens=4)),
+            ]
+        }
+    )
+    assert h.finish == {"long": "length", "late": "queue_timeout"}
+    (delta,) = h.deltas["late"]
+    assert (delta.finish_reason, delta.code) == ("error", "queue_timeout")
+    assert "--max-queue-wait" in delta.error and h.outputs["late"] == []
