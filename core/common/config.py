@@ -58,7 +58,7 @@ class TenantSpec(msgspec.Struct, frozen=True, kw_only=True):
 
     weight: float = 1.0  # its fair share relative to other tenants' weights; > 0
     priority: int = 0  # of its requests that send none
-    max_queued_requests: int | None = None  # cap on its waiting requests (not enforced yet)
+    max_queued_requests: int | None = None  # cap on its waiting requests (429 at the frontend)
 
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -126,6 +126,24 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             extra={"flag": "max-queue-wait", "metavar": "S"},
         ),
     ] = None
+    # admission at the frontends (README, "Admission control"); "queued" counts engine
+    # requests (each of n choices) sent to the core that have not started, over every frontend
+    max_queued_requests: Annotated[
+        Annotated[int, msgspec.Meta(ge=1)] | None,
+        msgspec.Meta(
+            description="answer 429 to a request that would make more than this many requests "
+            "wait for a seat (each of n choices counts), before tokenizing it",
+            extra={"metavar": "N"},
+        ),
+    ] = None
+    max_queued_tokens: Annotated[
+        Annotated[int, msgspec.Meta(ge=1)] | None,
+        msgspec.Meta(
+            description="answer 429 to a request whose prompt tokens (times n) would make the "
+            "waiting requests' prompt tokens more than this",
+            extra={"metavar": "TOKENS"},
+        ),
+    ] = None
     # runner
     threads: Annotated[
         int,
@@ -166,6 +184,13 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     api_servers: Annotated[
         int, msgspec.Meta(description="frontend processes sharing the port", ge=1)
     ] = 1
+    metrics_require_key: Annotated[
+        bool,
+        msgspec.Meta(
+            description="/metrics needs an API key like every route but /health (it shows "
+            "tenant names)"
+        ),
+    ] = False
     max_n: Annotated[int, msgspec.Meta(description="most choices (n) one request may ask for")] = 8
     max_logprobs: Annotated[
         int, msgspec.Meta(description="most alternative logprobs per token a request may ask for")

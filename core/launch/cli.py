@@ -80,11 +80,12 @@ def config_flags(cls: type[msgspec.Struct]) -> Iterator[tuple[FieldInfo, str, di
 
 
 def _value_type(hint: Any) -> Any:
-    """int for Annotated[int | None, Meta(...)]."""
+    """int for Annotated[int | None, Meta(...)] and Annotated[Annotated[int, Meta(ge=1)] | None,
+    Meta(...)] (msgspec puts a bound on the int, not on the union)."""
     hint = typing.get_args(hint)[0] if typing.get_origin(hint) is Annotated else hint
     if typing.get_origin(hint) in (typing.Union, types.UnionType):
         (hint,) = [a for a in typing.get_args(hint) if a is not type(None)]
-    return hint
+    return typing.get_args(hint)[0] if typing.get_origin(hint) is Annotated else hint
 
 
 def _checked(parse: Callable[[str], Any], hint: Any) -> Callable[[str], Any]:

@@ -41,6 +41,8 @@ FLAGS = {
     "--fair-output-weight": "2.0",
     "--priority-aging": "30.0",
     "--max-queue-wait S": None,
+    "--max-queued-requests N": None,
+    "--max-queued-tokens TOKENS": None,
     "--threads": str(default_threads()),
     "--seed": "0",
     "--sim-profile": "h100-llama3-8b",
@@ -51,6 +53,7 @@ FLAGS = {
     "--api-key": "$GAPLESS_API_KEY",
     "--api-servers": "1",
     "--max-logprobs": "20",
+    "--metrics-require-key": "off",
     "--max-n": "8",
     "--drain-timeout": "30.0",
     "--api-keys-file FILE": None,
@@ -172,7 +175,15 @@ def test_flags_become_fields():
 
 @pytest.mark.parametrize(
     "flag",
-    ["--max-num-seqs", "--max-num-batched-tokens", "--block-size", "--threads", "--api-servers"],
+    [
+        "--max-num-seqs",
+        "--max-num-batched-tokens",
+        "--block-size",
+        "--threads",
+        "--api-servers",
+        "--max-queued-requests",
+        "--max-queued-tokens",
+    ],
 )
 def test_counts_below_one_are_refused(flag, capsys):
     with pytest.raises(SystemExit) as e:
@@ -208,6 +219,16 @@ def test_scheduling_flags_become_fields():
     defaults = serve_config()
     assert (defaults.scheduling_policy, defaults.fair_output_weight) == ("fair", 2.0)
     assert (defaults.priority_aging_s, defaults.tenants, defaults.api_keys) == (30.0, {}, {})
+
+
+def test_admission_flags_become_fields():
+    config = serve_config(
+        "--max-queued-requests", "50", "--max-queued-tokens", "8000", "--metrics-require-key"
+    )
+    assert (config.max_queued_requests, config.max_queued_tokens) == (50, 8000)
+    assert config.metrics_require_key is True
+    assert decode_config(encode_config(config)) == config
+    assert serve_config().max_queued_requests is None
 
 
 def test_tenant_weights_fill_tenants():
