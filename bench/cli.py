@@ -45,7 +45,7 @@ to its last token), first_send_s, last_token_s, window_tokens, window_share, wei
 series ({t_s, tokens}: cumulative output tokens received, s after the run's start); and
 `fairness`: window_start_s, window_end_s, window_s, jain_index and note (why jain_index is
 null). The backlogged window runs from the latest tenant's first send to the earliest time a
-tenant received its last token; jain_index is (sum x)^2 / (n sum x^2) over x = a tenant's
+tenant's last request got its first token (then it has nothing waiting); jain_index is (sum x)^2 / (n sum x^2) over x = a tenant's
 tokens received in the window divided by its weight."""
 
 

@@ -6,9 +6,12 @@ SSE chunk carrying it arrives. A completed request's `usage.completion_tokens` a
 over its chunks with text (one chunk is usually one token); a failed request counts one token
 per chunk it received.
 
-"Backlogged" means a tenant has sent and not yet received all its tokens. A tenant whose every
-request is already running takes at most one token per request per engine step, so a low index
-is unfairness only when each tenant keeps requests waiting; otherwise compare TTFT.
+"Backlogged" means a tenant has requests waiting for a seat: sent, and no token back yet. The
+window runs from the latest tenant's first send to the earliest time a tenant's last request
+got its first token (from then on that tenant has nothing waiting, and a fair scheduler owes it
+no more seats). A tenant whose every request is already running takes at most one token per
+request per engine step, so a low index is unfairness only when each tenant keeps requests
+waiting; otherwise compare TTFT.
 """
 
 from __future__ import annotations
@@ -45,8 +48,8 @@ class Series:
 
 @dataclass(frozen=True)
 class Window:
-    """[start_s, end_s]: from the latest tenant's first send to the earliest time a tenant
-    received its last token. None for both, and `note` saying why, when there is none."""
+    """[start_s, end_s]: from the latest tenant's first send to the earliest time a tenant's
+    last request got its first token. None for both, and `note` saying why, when there is none."""
 
     start_s: float | None
     end_s: float | None
@@ -86,22 +89,33 @@ def token_series(records: Sequence[RequestRecord], t0: float) -> Series:
     return Series(t[order], np.cumsum(np.concatenate(counts)[order]))
 
 
-def backlogged_window(first_send: dict[str, float], series: dict[str, Series]) -> Window:
-    """The window in which every tenant had sent and none had received all its tokens."""
+def backlogged_window(
+    first_send: dict[str, float], last_start: dict[str, float | None], series: dict[str, Series]
+) -> Window:
+    """The window in which every tenant had sent and still had requests waiting; last_start is
+    when each tenant's last request got its first token (None: one never did)."""
     starved = [name for name, s in series.items() if s.total == 0]
     if starved:
         return Window(None, None, f"no backlogged window: tenant {starved[0]} received no tokens")
     late = max(first_send, key=lambda name: first_send[name])
-    early = min(series, key=lambda name: series[name].t[-1])
-    start, end = first_send[late], float(series[early].t[-1])
+    ends = {name: t for name, t in last_start.items() if t is not None}
+    early = min(ends, key=lambda name: ends[name]) if ends else None
+    start = first_send[late]
+    end = ends[early] if early is not None else max(float(s.t[-1]) for s in series.values())
     if end <= start:
         return Window(
             None,
             None,
-            f"no backlogged window: tenant {early} received its last token at {end:.3f} s, "
-            f"before tenant {late} started at {start:.3f} s",
+            f"no backlogged window: tenant {early}'s last request started at {end:.3f} s, "
+            f"before tenant {late} sent its first at {start:.3f} s",
         )
     return Window(start, end)
+
+
+def last_start(records: Sequence[RequestRecord], t0: float) -> float | None:
+    """When the last of these requests got its first token; None if one never did."""
+    firsts = [r.start + r.ttft - t0 for r in records if r.ttft is not None]
+    return max(firsts) if firsts and len(firsts) == len(records) else None
 
 
 def _thinned(series: Series, first_send: float) -> dict[str, list[float]]:
@@ -125,7 +139,8 @@ def tenant_report(
     series = {name: token_series(rs, t0) for name, rs in mine.items()}
     first_send = {name: min(r.start for r in rs) - t0 for name, rs in mine.items() if rs}
     assert len(first_send) == len(specs), "every tenant sends at least one request"
-    window = backlogged_window(first_send, series)
+    starts = {name: last_start(rs, t0) for name, rs in mine.items()}
+    window = backlogged_window(first_send, starts, series)
     got: dict[str, float] = {}
     if window.start_s is not None and window.end_s is not None:
         got = {n: s.at(window.end_s) - s.at(window.start_s) for n, s in series.items()}

@@ -56,22 +56,24 @@ def test_token_series_spreads_usage_over_chunks():
 
 def test_backlogged_window():
     first_send = {"A": 0.0, "B": 1.0}
-    w = backlogged_window(first_send, {"A": series([3.0], [1]), "B": series([5.0], [1])})
+    got = {"A": series([3.5], [1]), "B": series([5.5], [1])}
+    w = backlogged_window(first_send, {"A": 3.0, "B": 5.0}, got)
     assert (w.start_s, w.end_s, w.duration_s, w.note) == (1.0, 3.0, 2.0, None)
-    w = backlogged_window(first_send, {"A": series([0.9], [1]), "B": series([5.0], [1])})
+    w = backlogged_window(first_send, {"A": 0.9, "B": 5.0}, got)
     assert w.start_s is None and w.duration_s is None
     assert w.note == (
-        "no backlogged window: tenant A received its last token at 0.900 s, "
-        "before tenant B started at 1.000 s"
+        "no backlogged window: tenant A's last request started at 0.900 s, "
+        "before tenant B sent its first at 1.000 s"
     )
-    w = backlogged_window(first_send, {"A": series([3.0], [1]), "B": series([], [])})
+    w = backlogged_window(first_send, {"A": 3.0, "B": None}, {**got, "B": series([], [])})
     assert w.note == "no backlogged window: tenant B received no tokens"
 
 
 def noisy_records():
     """A hogs the server from 0 s; B sends at 1 s and gets its first token only at 3 s, after
     A's last: B is starved for the whole window [1, 2.9] s."""
-    a = [streamed("A", 0.0, 0.1, 0.1, 29) for _ in range(4)]  # tokens 0.1 .. 2.9 s
+    a = [streamed("A", 0.0, 0.1, 0.1, 29) for _ in range(3)]  # tokens 0.1 .. 2.9 s
+    a.append(streamed("A", 0.0, 2.9, 0.1, 1))  # waits for a seat until 2.9 s
     b = [streamed("B", 1.0, 2.0, 0.1, 10)]  # tokens 3.0 .. 3.9 s
     return a + b
 
@@ -83,8 +85,8 @@ def test_tenant_report_of_a_starved_tenant():
     assert f["window_start_s"] == pytest.approx(1.0) and f["window_end_s"] == pytest.approx(2.9)
     assert f["jain_index"] == pytest.approx(0.5) and f["note"] is None  # one of two gets all
     a, b = doc["tenants"]
-    assert (a["name"], a["num_requests"], a["completed"], a["tokens_received"]) == ("A", 4, 4, 116)
-    assert a["window_tokens"] == pytest.approx(4 * 19)  # tokens at 1.1 .. 2.9 s
+    assert (a["name"], a["num_requests"], a["completed"], a["tokens_received"]) == ("A", 4, 4, 88)
+    assert a["window_tokens"] == pytest.approx(3 * 19 + 1)  # tokens at 1.1 .. 2.9 s
     assert (a["window_share"], b["window_share"], b["window_tokens"]) == (1.0, 0.0, 0.0)
     assert a["weight_share"] == b["weight_share"] == 0.5
     assert b["priority"] == "interactive" and b["start_s"] == 1.0 and b["output_len"] == "10"
@@ -99,10 +101,12 @@ def test_tenant_report_of_a_starved_tenant():
 def test_weights_divide_the_tokens():
     # A and B stream side by side from 0 s, A twice as fast: fair for weights 2 and 1
     records = [streamed("A", 0.0, 0.05, 0.05, 40), streamed("B", 0.0, 0.1, 0.1, 20)]
+    # each keeps one request waiting until 1.98 s: the window is [0, 1.98] s
+    records += [streamed("A", 0.0, 1.98, 0.1, 1), streamed("B", 0.0, 1.98, 0.1, 1)]
     weighted = tenant_report(
-        records, T0, parse_tenants("A:n=1,in=8,out=40,weight=2;B:n=1,in=8,out=20")
+        records, T0, parse_tenants("A:n=2,in=8,out=40,weight=2;B:n=2,in=8,out=20")
     )
-    unweighted = tenant_report(records, T0, parse_tenants("A:n=1,in=8,out=40;B:n=1,in=8,out=20"))
+    unweighted = tenant_report(records, T0, parse_tenants("A:n=2,in=8,out=40;B:n=2,in=8,out=20"))
     assert weighted["fairness"]["jain_index"] == pytest.approx(1.0)
     assert unweighted["fairness"]["jain_index"] == pytest.approx(0.9)  # 9 / (2 * 5)
     a, b = weighted["tenants"]
@@ -114,7 +118,7 @@ def test_no_window_gives_no_index():
     doc = tenant_report(records, T0, parse_tenants("A:n=1,in=8,out=5;B:n=1,in=8,out=5,start=1"))
     f = doc["fairness"]
     assert f["jain_index"] is None and f["window_s"] is None
-    assert f["note"].startswith("no backlogged window: tenant A received its last token")
+    assert f["note"].startswith("no backlogged window: tenant A's last request started at")
     assert all(t["window_tokens"] is None and t["window_share"] is None for t in doc["tenants"])
     assert "Jain's fairness index: - (no backlogged window" in format_tenants({**doc})
 
