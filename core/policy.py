@@ -12,7 +12,11 @@ and asks a policy only these questions. Three policies:
   prompt tokens when they are computed (a recompute after preemption is free) and
   `output_weight` per sampled token, each divided by its weight. A tenant that comes back from
   idle is lifted to the least counter among the backlogged ones, so it banks no credit.
-  A tenant's requests keep their arrival order.
+  A tenant's requests keep their arrival order. The choice also counts what a tenant's running
+  requests may still sample (their max_tokens left, weighted like outputs; released when they
+  end): without it a tenant arriving while others hold every seat takes every seat that frees
+  until its delivered service catches up, overshoots, then starves in turn (measured: Jain's
+  index of 4 staggered tenants 0.957 over HTTP on sim, 0.987 with it).
 
 Every policy ages: a request that has waited `aging_s` seconds is admitted before any newer
 one, whatever its class or tenant. That bounds how long the lowest class can starve.
@@ -101,6 +105,13 @@ class Policy:
     def charge_prompt(self, req: Request, num_tokens: int) -> None:
         self.prompt_tokens[req.tenant_id] += num_tokens
 
+    def on_admit(self, req: Request, max_outputs: int) -> None:
+        """req takes a seat and may sample up to max_outputs more tokens there."""
+
+    def on_leave(self, req: Request, unsampled: int) -> None:
+        """req leaves its seat; `unsampled` of the tokens allowed at admission will not be
+        sampled there (or charged) after all."""
+
     def charge_outputs(self, tenant_ids: np.ndarray) -> None:
         """One sampled token for each entry of tenant_ids [R]."""
         n = len(self.output_tokens)
@@ -158,6 +169,8 @@ class FairPolicy(PriorityPolicy):
         self.counters = np.zeros(0)  # [T] weighted service: tokens / weight
         self._inv_weight = np.zeros(0)  # [T] 1 / weight
         self._backlog = np.zeros(0, np.int64)  # [T] waiting requests per tenant
+        # [T] weighted output that running requests may still sample (their max_tokens left)
+        self.committed = np.zeros(0)
         # priority -> tenant id -> that tenant's waiting requests of the class, by seq
         self._tenant_queues: dict[int, dict[int, list[Request]]] = {}
 
@@ -165,6 +178,7 @@ class FairPolicy(PriorityPolicy):
         self.counters = np.append(self.counters, 0.0)
         self._inv_weight = np.append(self._inv_weight, 1.0 / self._weights.get(tenant, 1.0))
         self._backlog = np.append(self._backlog, 0)
+        self.committed = np.append(self.committed, 0.0)
 
     def add(self, req: Request) -> None:
         t = req.tenant_id
@@ -190,10 +204,20 @@ class FairPolicy(PriorityPolicy):
                 del self._tenant_queues[req.priority]
 
     def _pick(self, priority: int) -> Request:
-        """The oldest request of the least-served tenant in this class (ties: the oldest)."""
-        counters = self.counters
+        """The oldest request of the tenant in this class whose service, counting what its
+        running requests may still sample, is least (ties: the oldest request)."""
+        due = self.counters + self.committed
         queues = self._tenant_queues[priority].values()
-        return min(queues, key=lambda q: (counters[q[0].tenant_id], q[0].seq))[0]
+        return min(queues, key=lambda q: (due[q[0].tenant_id], q[0].seq))[0]
+
+    def on_admit(self, req: Request, max_outputs: int) -> None:
+        t = req.tenant_id
+        self.committed[t] += max_outputs * self.output_weight * self._inv_weight[t]
+
+    def on_leave(self, req: Request, unsampled: int) -> None:
+        t = req.tenant_id
+        left = self.committed[t] - unsampled * self.output_weight * self._inv_weight[t]
+        self.committed[t] = max(0.0, left)
 
     def charge_prompt(self, req: Request, num_tokens: int) -> None:
         super().charge_prompt(req, num_tokens)
@@ -203,7 +227,9 @@ class FairPolicy(PriorityPolicy):
         n = len(self.counters)
         tokens = np.bincount(tenant_ids, minlength=n)[:n]
         self.output_tokens += tokens
-        self.counters += tokens * self.output_weight * self._inv_weight
+        charge = tokens * self.output_weight * self._inv_weight
+        self.counters += charge
+        np.maximum(self.committed - charge, 0.0, out=self.committed)
 
 
 def make_policy(

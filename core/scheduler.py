@@ -117,6 +117,8 @@ class Scheduler:
             return False
         if req.status is Status.RUNNING:
             self._leave_slot(req)
+            # its samples still in flight are dropped, never charged: uncommit them too
+            self.policy.on_leave(req, req.limit - req.num_prompt - len(req.output_ids))
         elif req in self._parked:
             self._parked.remove(req)
         else:
@@ -130,6 +132,7 @@ class Scheduler:
         """Free a running request's KV and slot; it recomputes later from its place in line,
         once the samples still in flight for it have arrived."""
         self._leave_slot(req)
+        self.policy.on_leave(req, req.limit - req.num_tokens)  # in flight: charged on arrival
         req.status = Status.WAITING
         self.num_preemptions += 1
         if req.num_pending:
@@ -225,6 +228,7 @@ class Scheduler:
             if not self.blocks.can_allocate(nb):
                 break
             policy.remove(req)
+            policy.on_admit(req, req.limit - req.num_tokens)
             req.status = Status.RUNNING
             req.started = True
             self.rb.admit(req, self.slots.allocate())
