@@ -26,12 +26,14 @@ from gapless.core.common.messages import (
     FrontendInput,
     GetStats,
     GetTimeline,
+    QueueState,
     SamplingParams,
     TextDelta,
     TextDeltas,
     Timeline,
 )
 from gapless.core.common.process import CORE_IN, frontend_socket
+from gapless.frontend.queue_view import QueueView, Ticket
 
 log = logging.getLogger("gapless.frontend")
 
@@ -50,6 +52,7 @@ class EngineClient:
 
     def __init__(self, frontend_id: int, send: Callable[[CoreInput], None]) -> None:
         self.frontend_id = frontend_id
+        self.queue = QueueView(frontend_id)  # what waits for a seat, for admission control
         self.healthy = True
         self.dead_reason = ""
         self._send = send
@@ -71,12 +74,17 @@ class EngineClient:
     def dispatch(self, msg: FrontendInput) -> None:
         match msg:
             case TextDeltas(deltas=deltas):
-                queues = self._queues
+                queues, unstarted = self._queues, self.queue.unstarted
                 received = time.perf_counter()
                 for delta in deltas:
-                    queue = queues.get(delta.request_id)
+                    rid = delta.request_id
+                    if unstarted and rid in unstarted:  # its first delta: no longer queued
+                        unstarted.pop(rid).leave(started=bool(delta.token_ids))
+                    queue = queues.get(rid)
                     if queue is not None:  # None: the request was aborted here already
                         queue.put_nowait((delta, received))
+            case QueueState():
+                self.queue.update(msg)
             case EngineDead(reason=reason):
                 self._mark_dead(reason)
             case EngineStats(token=token) | Timeline(token=token):
@@ -111,9 +119,14 @@ class EngineClient:
         tenant: str = "",
         priority: int = 0,
         arrival_time: float | None = None,
+        ticket: Ticket | None = None,
     ) -> AsyncIterator[tuple[int, TextDelta]]:
         """One engine request per params entry (ids `{request_id}-{i}`), merged as
         (choice index, delta) until every choice's last delta (one with a finish_reason).
+
+        `ticket` is the request's place in `queue` from its admission decision, for
+        len(params) choices (without one, a ticket is taken here); each choice leaves it when
+        its first delta comes or the request ends.
 
         Raises EngineDeadError if the engine is or becomes dead. Leaving early (break,
         aclose, cancellation) aborts the choices still running.
@@ -125,8 +138,14 @@ class EngineClient:
         index = {rid: i for i, rid in enumerate(ids)}
         running = set(ids)
         arrival = time.time() if arrival_time is None else arrival_time
+        if ticket is None:
+            ticket = self.queue.take(tenant, len(params))
+            ticket.set_prompt(len(prompt_token_ids))
+        assert ticket.num_queued == len(params), "a ticket for another number of choices"
+        unstarted = self.queue.unstarted
         for rid in ids:
             self._queues[rid] = queue
+            unstarted[rid] = ticket
         try:
             for rid, p in zip(ids, params, strict=True):
                 self._send(
@@ -146,6 +165,8 @@ class EngineClient:
         finally:
             for rid in ids:
                 self._queues.pop(rid, None)
+                unstarted.pop(rid, None)
+            ticket.release()
             if running and self.healthy:
                 self._send(Abort(sorted(running)))
 
