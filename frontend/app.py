@@ -29,7 +29,8 @@ log = logging.getLogger("gapless.frontend")
 T = TypeVar("T")
 
 Handler = Callable[[HttpRequest, Responder, Caller], Awaitable[None]]
-# answered without an API key: probes and scrapers, which operators keep on a private network
+# answered without an API key: probes and scrapers, which operators keep on a private network;
+# --metrics-require-key takes /metrics out (it shows tenant names)
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 
 
@@ -39,6 +40,7 @@ class App:
     def __init__(self, state: FrontendState) -> None:
         self.state = state
         self._keys = ApiKeys(state.config)
+        self._open = frozenset({"/health"}) if state.config.metrics_require_key else OPEN_PATHS
         self._created = int(time.time())
         self._openapi = msgspec.Raw(encoder.encode(openapi_document("gapless", "0.1.0")))
         self.routes: dict[str, dict[str, Handler]] = {
@@ -76,7 +78,7 @@ class App:
     async def _route(self, req: HttpRequest, out: Responder) -> None:
         caller = (
             ANONYMOUS
-            if req.path in OPEN_PATHS
+            if req.path in self._open
             else self._keys.authorize(req.headers.get("authorization", ""))
         )
         methods = self.routes.get(req.path)
@@ -110,10 +112,12 @@ class App:
 
     async def _health(self, req: HttpRequest, out: Responder, caller: Caller) -> None:
         engine = self.state.engine
-        if engine.healthy:
-            await out.json(200, Health("ok"))
-        else:
+        if not engine.healthy:
             await out.json(503, Health("dead", engine.dead_reason))
+        elif self.state.admission.draining:
+            await out.json(503, Health("draining", "shutting down; in-flight requests finish"))
+        else:
+            await out.json(200, Health("ok"))
 
     async def _engine_stats(self, req: HttpRequest, out: Responder, caller: Caller) -> None:
         """The core's queues and KV blocks right now."""

@@ -10,7 +10,7 @@ import msgspec
 from gapless.core.common.config import EngineConfig
 from gapless.core.common.messages import TextDelta
 from gapless.frontend.asgi import HttpRequest, Responder, encoder
-from gapless.frontend.errors import bad_request, engine_unavailable, from_decode_error
+from gapless.frontend.errors import bad_request, from_decode_error
 from gapless.frontend.generation import ChoiceResult, Job, respond
 from gapless.frontend.params import (
     check_logprobs,
@@ -97,21 +97,6 @@ async def handle_chat(
     base = sampling_params(body, 1, logprobs, config)
     tenant = tenant_of(caller, req.headers.get("x-tenant"), body.user)
     priority = priority_of(body.priority, tenant, config)
-    if not state.engine.healthy:
-        raise engine_unavailable(state.engine.dead_reason)
-
-    prompt_ids = await state.prompter.chat_ids(body.messages)
-    budget = resolve_max_tokens(max_tokens, budget_name, len(prompt_ids), "messages", config)
-    params = per_choice(msgspec.structs.replace(base, max_tokens=budget), n)
-    job = Job(
-        "chat",
-        state.engine.next_request_id(),
-        prompt_ids,
-        params,
-        tenant,
-        priority,
-        arrival,
-    )
     response_id, created, model = (
         f"chatcmpl-{uuid.uuid4().hex}",
         int(arrival),
@@ -132,13 +117,22 @@ async def handle_chat(
             id=response_id, created=created, model=model, choices=out_choices, usage=usage
         )
 
-    await respond(
-        state.engine,
-        job,
-        req,
-        out,
-        streaming=bool(body.stream),
-        include_usage=bool(body.stream_options and body.stream_options.include_usage),
-        fmt=ChatChunks(response_id, created, model, logprobs is not None),
-        build=build,
-    )
+    # admission (README, "Admission control"): the request caps before the chat template and
+    # tokenizing, the token cap after; the ticket counts the request until its choices start
+    with state.admission.admit(tenant, n, arrival) as ticket:
+        prompt_ids = await state.prompter.chat_ids(body.messages)
+        budget = resolve_max_tokens(max_tokens, budget_name, len(prompt_ids), "messages", config)
+        state.admission.admit_tokens(ticket, len(prompt_ids), arrival)
+        params = per_choice(msgspec.structs.replace(base, max_tokens=budget), n)
+        rid = state.engine.next_request_id()
+        job = Job("chat", rid, prompt_ids, params, tenant, priority, arrival, ticket)
+        await respond(
+            state,
+            job,
+            req,
+            out,
+            streaming=bool(body.stream),
+            include_usage=bool(body.stream_options and body.stream_options.include_usage),
+            fmt=ChatChunks(response_id, created, model, logprobs is not None),
+            build=build,
+        )

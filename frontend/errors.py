@@ -47,8 +47,18 @@ def bad_request(message: str, param: str | None = None, code: str | None = None)
     return ApiError(400, message, param=param, code=code)
 
 
+UNAVAILABLE_RETRY_AFTER_S = (
+    5  # a 503's Retry-After; why: a restart or another replica is seconds away
+)
+
+
 def engine_unavailable(reason: str) -> ApiError:
-    return ApiError(503, f"the engine is not available: {reason}", code="engine_unavailable")
+    return ApiError(
+        503,
+        f"the engine is not available: {reason}",
+        code="engine_unavailable",
+        headers=[(b"retry-after", str(UNAVAILABLE_RETRY_AFTER_S).encode())],
+    )
 
 
 # msgspec ends a validation message with " - at `$.messages[0].role`"; a missing field is named

@@ -13,10 +13,13 @@ from typing import Protocol
 
 from gapless.core.common.messages import SamplingParams, TextDelta, TokenLogprob
 from gapless.frontend import metrics
+from gapless.frontend.admission import Admission
 from gapless.frontend.asgi import ClientGone, HttpRequest, Responder, unless_disconnected
-from gapless.frontend.engine_client import EngineClient, EngineDeadError
+from gapless.frontend.engine_client import EngineDeadError
 from gapless.frontend.errors import ApiError, engine_unavailable
+from gapless.frontend.queue_view import Ticket
 from gapless.frontend.responses import Usage
+from gapless.frontend.state import FrontendState
 
 
 @dataclass
@@ -28,6 +31,7 @@ class Job:
     tenant: str
     priority: int
     arrival_time: float  # time.time()
+    ticket: Ticket  # its place in the admission count
 
 
 @dataclass
@@ -52,9 +56,12 @@ class ChunkFormat(Protocol):
     def usage(self, usage: Usage) -> bytes: ...
 
 
-def failure(delta: TextDelta) -> ApiError | None:
-    """The error a finishing delta stands for: an engine fault is not the client's doing."""
+def failure(delta: TextDelta, admission: Admission) -> ApiError | None:
+    """The error a finishing delta stands for: an engine fault is not the client's doing, a
+    queue timeout is the load's (429)."""
     if delta.finish_reason == "error":
+        if delta.code == "queue_timeout":
+            return admission.queue_timeout(delta.error or "it waited too long for a seat")
         return ApiError(
             500,
             f"the engine failed on this request: {delta.error or 'no detail'}",
@@ -70,7 +77,7 @@ def usage_of(job: Job, num_output_tokens: list[int]) -> Usage:
     return Usage(len(job.prompt_ids), completion, len(job.prompt_ids) + completion)
 
 
-async def _deltas(engine: EngineClient, job: Job) -> AsyncIterator[tuple[int, TextDelta]]:
+async def _deltas(state: FrontendState, job: Job) -> AsyncIterator[tuple[int, TextDelta]]:
     """The engine's deltas for the job, with failures raised as ApiError and metrics observed."""
     observer = metrics.observer
     observer.arrived(job.endpoint, len(job.prompt_ids))
@@ -78,13 +85,14 @@ async def _deltas(engine: EngineClient, job: Job) -> AsyncIterator[tuple[int, Te
     outputs = [0] * len(job.params)
     last = [0.0] * len(job.params)  # perf_counter of each choice's previous delta
     reason = None
-    stream = engine.generate_n(
+    stream = state.engine.generate_n(
         job.request_id,
         job.prompt_ids,
         job.params,
         tenant=job.tenant,
         priority=job.priority,
         arrival_time=job.arrival_time,
+        ticket=job.ticket,
     )
     try:
         async with aclosing(stream):
@@ -97,7 +105,7 @@ async def _deltas(engine: EngineClient, job: Job) -> AsyncIterator[tuple[int, Te
                     elif last[index]:
                         observer.delta(now - last[index], len(delta.token_ids))
                     last[index] = now
-                error = failure(delta)
+                error = failure(delta, state.admission)
                 if error is not None:
                     raise error
                 outputs[index] = delta.num_output_tokens
@@ -109,10 +117,10 @@ async def _deltas(engine: EngineClient, job: Job) -> AsyncIterator[tuple[int, Te
         observer.finished(job.endpoint, time.time() - job.arrival_time, sum(outputs), reason)
 
 
-async def collect(engine: EngineClient, job: Job) -> list[ChoiceResult]:
+async def collect(state: FrontendState, job: Job) -> list[ChoiceResult]:
     """Every choice's whole output."""
     choices = [ChoiceResult() for _ in job.params]
-    async with aclosing(_deltas(engine, job)) as deltas:
+    async with aclosing(_deltas(state, job)) as deltas:
         async for index, delta in deltas:
             choice = choices[index]
             choice.parts.append(delta.text)
@@ -124,14 +132,15 @@ async def collect(engine: EngineClient, job: Job) -> list[ChoiceResult]:
 
 
 async def stream(
-    engine: EngineClient, job: Job, out: Responder, fmt: ChunkFormat, include_usage: bool
+    state: FrontendState, job: Job, out: Responder, fmt: ChunkFormat, include_usage: bool
 ) -> None:
     """SSE chunks as deltas arrive, a usage chunk if asked, then [DONE]. The response starts
     with the first delta, so a failure before it still gets a proper HTTP status."""
     opened = [False] * len(job.params)
     outputs = [0] * len(job.params)
     observer = metrics.observer
-    async with aclosing(_deltas(engine, job)) as deltas:
+    engine = state.engine
+    async with aclosing(_deltas(state, job)) as deltas:
         async for index, delta in deltas:
             received = engine.last_received  # read before the first await below
             if not opened[index]:
@@ -148,7 +157,7 @@ async def stream(
 
 
 async def respond(
-    engine: EngineClient,
+    state: FrontendState,
     job: Job,
     req: HttpRequest,
     out: Responder,
@@ -161,9 +170,9 @@ async def respond(
     """Streams or answers whole; a client that disconnects first aborts the engine requests."""
     try:
         if streaming:
-            await unless_disconnected(req.receive, stream(engine, job, out, fmt, include_usage))
+            await unless_disconnected(req.receive, stream(state, job, out, fmt, include_usage))
             return
-        choices = await unless_disconnected(req.receive, collect(engine, job))
+        choices = await unless_disconnected(req.receive, collect(state, job))
     except ClientGone:
         metrics.observer.aborted(job.endpoint)
         raise

@@ -15,6 +15,9 @@ class RequestObserver:
     def tokenized(self, seconds: float) -> None:
         pass
 
+    def admission_decided(self, seconds: float) -> None:
+        """Arrival to the admission decision: before tokenizing, or after it with a token cap."""
+
     def first_token(self, endpoint: str, ttft_s: float) -> None:
         pass
 
@@ -42,6 +45,9 @@ class PrometheusObserver(RequestObserver):
 
     def tokenized(self, seconds: float) -> None:
         self.series.tokenize.observe(seconds)
+
+    def admission_decided(self, seconds: float) -> None:
+        self.series.admission.observe(seconds)
 
     def first_token(self, endpoint: str, ttft_s: float) -> None:
         self.series.ttft.observe(ttft_s)

@@ -45,7 +45,7 @@ def _generate(request: str, whole: str, chunk: str, summary: str) -> dict[str, A
                         "text/event-stream": {"schema": _ref(chunk)},
                     },
                 },
-                **_errors(400, 401, 404, 413, 500, 503),
+                **_errors(400, 401, 404, 413, 429, 500, 503),
             },
         }
     }

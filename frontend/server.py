@@ -9,6 +9,7 @@ import socket
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from types import FrameType
 
 import tokenizers
 import uvicorn
@@ -18,6 +19,7 @@ import zmq
 from gapless.core.common.config import EngineConfig
 from gapless.core.common.process import ControlReporter, stop_requested
 from gapless.frontend import metrics
+from gapless.frontend.admission import Admission
 from gapless.frontend.app import App
 from gapless.frontend.engine_client import ZmqEngineClient
 from gapless.frontend.prompts import Prompter
@@ -25,6 +27,14 @@ from gapless.frontend.state import FrontendState
 
 
 class _Server(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, admission: Admission) -> None:
+        super().__init__(config)
+        self.admission = admission
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        self.admission.draining = True  # new requests that still reach the app get 503
+        super().handle_exit(sig, frame)
+
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         # why: SIGINT belongs to the supervisor (child_setup ignores it); SIGTERM starts uvicorn's
@@ -55,7 +65,8 @@ def build_app(
 ) -> tuple[App, ThreadPoolExecutor]:
     # 2 threads: chat templates and tokenizing must not queue behind one long prompt
     executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="frontend-prep")
-    state = FrontendState(config, engine, Prompter(tokenizer, config, executor))
+    prompter = Prompter(tokenizer, config, executor)
+    state = FrontendState(config, engine, prompter, Admission(config, engine))
     return App(state), executor
 
 
@@ -79,7 +90,8 @@ async def serve(
             lifespan="off",
             timeout_graceful_shutdown=config.drain_timeout_s,  # type: ignore[arg-type]
             log_level="warning",
-        )
+        ),
+        app.state.admission,
     )
 
     def exit_soon(reason: str) -> None:
@@ -92,6 +104,7 @@ async def serve(
         while not server.started and not serving.done():
             await asyncio.sleep(0.01)
         if stop_requested():  # SIGTERM came before uvicorn took the signal over
+            app.state.admission.draining = True
             server.should_exit = True
         if server.started and reporter is not None:
             reporter.ready(frontend_id=frontend_id, port=sock.getsockname()[1])

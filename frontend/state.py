@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gapless.core.common.config import EngineConfig
+from gapless.frontend.admission import Admission
 from gapless.frontend.engine_client import EngineClient
 from gapless.frontend.prompts import Prompter
 
@@ -14,3 +15,4 @@ class FrontendState:
     config: EngineConfig
     engine: EngineClient
     prompter: Prompter
+    admission: Admission

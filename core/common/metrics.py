@@ -96,6 +96,12 @@ class FrontendMetrics:
             "HTTP requests whose client disconnected before the end",
             registry=r,
         )
+        self.admission = Histogram(
+            "gapless_admission_decision_seconds",
+            "From the HTTP request's arrival to its admission decision (admitted, 429 or 503)",
+            buckets=STAGE_BUCKETS,
+            registry=r,
+        )
         self.rejected = Counter(
             "gapless_requests_rejected",
             "HTTP requests answered with a 4xx, by error code",

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -9,8 +9,12 @@ import httpx
 import msgspec
 import pytest
 import tokenizers
+from prometheus_client import CollectorRegistry
 
 from gapless.core.common.config import EngineConfig, ModelInfo
+from gapless.core.common.metrics import FrontendMetrics
+from gapless.frontend import metrics
+from gapless.frontend.admission import Admission
 from gapless.frontend.app import App
 from gapless.frontend.prompts import Prompter
 from gapless.frontend.state import FrontendState
@@ -91,7 +95,8 @@ def engine(hf_tokenizer: tuple[tokenizers.Tokenizer, str]) -> FakeEngine:
 
 
 def build_app(config: EngineConfig, engine: FakeEngine) -> App:
-    return App(FrontendState(config, engine, Prompter(engine.tokenizer, config)))
+    prompter = Prompter(engine.tokenizer, config)
+    return App(FrontendState(config, engine, prompter, Admission(config, engine)))
 
 
 @pytest.fixture
@@ -104,6 +109,15 @@ async def client(app: App) -> AsyncIterator[httpx.AsyncClient]:
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
         yield c
+
+
+@pytest.fixture
+def registry() -> Iterator[CollectorRegistry]:
+    """The frontend's series, observed into a fresh registry for the test."""
+    registry = CollectorRegistry()
+    metrics.set_observer(metrics.PrometheusObserver(FrontendMetrics(registry)))
+    yield registry
+    metrics.set_observer(metrics.RequestObserver())
 
 
 def sse_events(body: str) -> list[Any]:

@@ -2,12 +2,14 @@
 `send` that answers AddRequests itself instead of going to the core over ZMQ.
 
 It echoes the prompt's words back, one word per delta (one token each), stopping with "length"
-at max_tokens or "stop" when the words run out.
+at max_tokens or "stop" when the words run out. With `hold` set, requests stay queued (no delta)
+until it is set; `queue_state` and `time_out` send what the core would.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import tokenizers
 
@@ -16,6 +18,7 @@ from gapless.core.common.messages import (
     AddRequest,
     CoreInput,
     EngineDead,
+    QueueState,
     TextDelta,
     TextDeltas,
     TokenLogprob,
@@ -34,6 +37,9 @@ class FakeEngine(EngineClient):
         self.finish_with: str | None = None  # "error" or "abort": delta number fail_at ends so
         self.fail_at = 0
         self.gate: asyncio.Event | None = None  # when set: deltas wait for it after the first
+        # when set: requests that `held` picks stay queued, sending nothing until it is set
+        self.hold: asyncio.Event | None = None
+        self.held: Callable[[str], bool] = lambda request_id: True
         self._tasks: dict[str, asyncio.Task[None]] = {}
 
     def _receive(self, msg: CoreInput) -> None:
@@ -58,11 +64,34 @@ class FakeEngine(EngineClient):
     def die(self, reason: str = "core crashed") -> None:
         self.dispatch(EngineDead(reason))
 
+    def queue_state(
+        self,
+        waiting: list[int],
+        tokens: list[int] | None = None,
+        tenants: list[dict[str, int]] | None = None,
+        admitted_per_s: float = 0.0,
+    ) -> None:
+        """The core's QueueState, lists indexed by frontend id."""
+        tokens = tokens or [0] * len(waiting)
+        tenants = tenants or [{} for _ in waiting]
+        self.dispatch(QueueState(waiting, tokens, tenants, admitted_per_s))
+
+    def time_out(self, request_id: str, waited_s: float = 2.0, limit_s: float = 1.0) -> None:
+        """End a queued request as the core does past --max-queue-wait."""
+        task = self._tasks.pop(request_id, None)
+        if task is not None:
+            task.cancel()
+        why = f"waited {waited_s:.1f} s for a seat, longer than --max-queue-wait {limit_s:g} s"
+        delta = TextDelta(request_id, "", [], 1, 0, "error", None, why, "queue_timeout")
+        self.dispatch(TextDeltas([delta]))
+
     async def _answer(self, req: AddRequest) -> None:
         words = self.tokenizer.decode(req.prompt_token_ids, skip_special_tokens=True).split()
         words = words or ["empty"]
         params = req.params
         num_prompt = len(req.prompt_token_ids)
+        if self.hold is not None and self.held(req.request_id):
+            await self.hold.wait()
         for i in range(params.max_tokens):
             await asyncio.sleep(self.delay_s)
             if i == 1 and self.gate is not None:

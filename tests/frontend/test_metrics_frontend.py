@@ -3,29 +3,19 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
 from gapless.core.common.config import EngineConfig
-from gapless.core.common.metrics import FrontendMetrics
-from gapless.frontend import metrics
 from gapless.frontend.app import App
 from tests.frontend.conftest import MODEL, build_app, sse_events
 from tests.frontend.fake_engine import FakeEngine
 from tests.frontend.test_lifecycle import Call
 
 pytestmark = pytest.mark.anyio
-
-
-@pytest.fixture
-def registry() -> Iterator[CollectorRegistry]:
-    registry = CollectorRegistry()
-    metrics.set_observer(metrics.PrometheusObserver(FrontendMetrics(registry)))
-    yield registry
-    metrics.set_observer(metrics.RequestObserver())
 
 
 def _count(registry: CollectorRegistry, name: str, **labels: str) -> float:
