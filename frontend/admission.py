@@ -48,20 +48,21 @@ class Admission:
         self.queue: QueueView = engine.queue
         self.draining = False  # set on SIGTERM: in-flight requests finish, new ones get 503
 
-    def admit(self, tenant: str, n: int, arrival: float) -> Ticket:
+    def admit(self, tenant: str, n: int, received: float) -> Ticket:
         """Before tokenizing: a Ticket that counts the request's n choices as queued from now
-        on, or 503 / 429. Release the ticket when the request ends (`with` does)."""
+        on, or 503 / 429. Release the ticket when the request ends (`with` does). `received`:
+        time.perf_counter() when the request's body was in, where the decision's clock starts."""
         try:
             self._check_open()
             self._check_requests(tenant, n)
         except ApiError:
-            metrics.observer.admission_decided(time.time() - arrival)
+            metrics.observer.admission_decided(time.perf_counter() - received)
             raise
         if self.config.max_queued_tokens is None:  # this was the whole decision
-            metrics.observer.admission_decided(time.time() - arrival)
+            metrics.observer.admission_decided(time.perf_counter() - received)
         return self.queue.take(tenant, n)
 
-    def admit_tokens(self, ticket: Ticket, num_prompt_tokens: int, arrival: float) -> None:
+    def admit_tokens(self, ticket: Ticket, num_prompt_tokens: int, received: float) -> None:
         """After tokenizing: the prompt's tokens join the count, or 429 past the token cap."""
         cap = self.config.max_queued_tokens
         if cap is None:
@@ -82,7 +83,7 @@ class Admission:
                     retry_after_s(excess, queue.drain_per_s()),
                 )
         finally:
-            metrics.observer.admission_decided(time.time() - arrival)
+            metrics.observer.admission_decided(time.perf_counter() - received)
         ticket.set_prompt(num_prompt_tokens)
 
     def queue_timeout(self, reason: str) -> ApiError:

@@ -80,7 +80,9 @@ async def handle_chat(
     arrival = time.time()
     config = state.config
     try:
-        body = _decoder.decode(await req.body(config.max_body_bytes))
+        raw = await req.body(config.max_body_bytes)
+        received = time.perf_counter()  # the whole request is here: admission's clock starts
+        body = _decoder.decode(raw)
     except msgspec.DecodeError as exc:
         raise from_decode_error(exc) from None
     check_model(body.model, config)
@@ -119,10 +121,10 @@ async def handle_chat(
 
     # admission (README, "Admission control"): the request caps before the chat template and
     # tokenizing, the token cap after; the ticket counts the request until its choices start
-    with state.admission.admit(tenant, n, arrival) as ticket:
+    with state.admission.admit(tenant, n, received) as ticket:
         prompt_ids = await state.prompter.chat_ids(body.messages)
         budget = resolve_max_tokens(max_tokens, budget_name, len(prompt_ids), "messages", config)
-        state.admission.admit_tokens(ticket, len(prompt_ids), arrival)
+        state.admission.admit_tokens(ticket, len(prompt_ids), received)
         params = per_choice(msgspec.structs.replace(base, max_tokens=budget), n)
         rid = state.engine.next_request_id()
         job = Job("chat", rid, prompt_ids, params, tenant, priority, arrival, ticket)

@@ -61,7 +61,9 @@ async def handle_completions(
     arrival = time.time()
     config = state.config
     try:
-        body = _decoder.decode(await req.body(config.max_body_bytes))
+        raw = await req.body(config.max_body_bytes)
+        received = time.perf_counter()  # the whole request is here: admission's clock starts
+        body = _decoder.decode(raw)
     except msgspec.DecodeError as exc:
         raise from_decode_error(exc) from None
     check_model(body.model, config)
@@ -91,10 +93,10 @@ async def handle_completions(
 
     # admission (README, "Admission control"): the request caps before tokenizing, the token
     # cap after; the ticket counts the request as queued until its choices start
-    with state.admission.admit(tenant, n, arrival) as ticket:
+    with state.admission.admit(tenant, n, received) as ticket:
         prompt_ids = await state.prompter.completion_ids(body.prompt)
         budget = resolve_max_tokens(max_tokens, "max_tokens", len(prompt_ids), "prompt", config)
-        state.admission.admit_tokens(ticket, len(prompt_ids), arrival)
+        state.admission.admit_tokens(ticket, len(prompt_ids), received)
         params = per_choice(msgspec.structs.replace(base, max_tokens=budget), n)
         rid = state.engine.next_request_id()
         job = Job("completions", rid, prompt_ids, params, tenant, priority, arrival, ticket)

@@ -16,7 +16,8 @@ class RequestObserver:
         pass
 
     def admission_decided(self, seconds: float) -> None:
-        """Arrival to the admission decision: before tokenizing, or after it with a token cap."""
+        """Body received to the admission decision: before tokenizing, or after it with a
+        token cap."""
 
     def first_token(self, endpoint: str, ttft_s: float) -> None:
         pass

@@ -98,7 +98,8 @@ class FrontendMetrics:
         )
         self.admission = Histogram(
             "gapless_admission_decision_seconds",
-            "From the HTTP request's arrival to its admission decision (admitted, 429 or 503)",
+            "From a request's body received in full to its admission decision (admitted, 429 "
+            "or 503); with --max-queued-tokens the decision follows tokenizing",
             buckets=STAGE_BUCKETS,
             registry=r,
         )
