@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Rebuilds bench/results/*.json and bench/results/*.png, the numbers in bench/RESULTS.md.
-# Usage: bash bench/results.sh [sim|cpu|all]   (run from the repository root, after `make setup`)
+# Usage: bash bench/results.sh [sim|cpu|tenants|all]   (run from the repository root, after `make setup`)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 G=.venv/bin/gapless
@@ -32,6 +32,29 @@ if [ "$what" = cpu ] || [ "$what" = all ]; then
     n=16; [ "$wl" = 1024:1024 ] && n=4; [ "$wl" = loogle ] && n=4
     $G bench --launch --workload "$wl" --num-requests "$n" --no-progress \
       --output-json "$OUT/cpu-${wl//:/x}.json" -- --max-num-batched-tokens 2048
+  done
+fi
+
+tenants_run() {  # device policy name spec [serve args...]: one multi-tenant run
+  local device=$1 policy=$2 name=$3 spec=$4
+  shift 4
+  $G bench --launch --tenants "$spec" --no-progress \
+    --output-json "$OUT/tenants-$device-$policy-$name.json" \
+    -- --device "$device" --scheduling-policy "$policy" "$@"
+  .venv/bin/bench plot --from "$OUT/tenants-$device-$policy-$name.json" \
+    --plot-dir "$OUT/tenants/$device-$policy-$name"
+  find "$OUT/tenants/$device-$policy-$name" -name '*.png' ! -name 'tenants_*' -delete
+}
+EQUAL="T1:n=200,in=128,out=128;T2:n=200,in=128,out=128,start=1"
+EQUAL="$EQUAL;T3:n=200,in=128,out=128,start=2;T4:n=200,in=128,out=128,start=3"
+WEIGHTED="H:n=300,in=128,out=128,weight=2;L:n=300,in=128,out=128"
+
+if [ "$what" = tenants ] || [ "$what" = all ]; then
+  for policy in fcfs fair; do
+    tenants_run sim "$policy" noisy-neighbor noisy-neighbor
+    tenants_run sim "$policy" equal "$EQUAL"
+    tenants_run sim "$policy" weighted "$WEIGHTED" --tenant-weight H=2
+    tenants_run cpu "$policy" noisy-neighbor noisy-neighbor --max-num-batched-tokens 2048
   done
 fi
 

@@ -40,7 +40,8 @@ from gapless.core.timeline import DeviceTimeline
 
 ADMIT_WINDOW_S = 10.0  # the admission rate in QueueState is over this long
 PROMPT_TAIL = 4  # prompt ids the detokenizer decodes in front of the first output token
-CLIENT_REASON = {"stop_token": "stop"}  # end reasons as clients and metrics name them
+# end reasons as clients and metrics name them
+CLIENT_REASON = {"stop_token": "stop", "queue_timeout": "error"}
 
 
 @dataclass
@@ -172,9 +173,12 @@ class EngineCore:
 
     def _expire_waiting(self, now: float, limit_s: float) -> None:
         """End requests that have waited longer than limit_s for their first step."""
-        expired = [
-            r for r in self.scheduler.policy if not r.started and now - r.queued_at > limit_s
-        ]
+        expired = []
+        for req in self.scheduler.policy:  # arrival order, so oldest first
+            if now - req.queued_at <= limit_s:
+                break
+            if not req.started:  # a preempted request has had its first step
+                expired.append(req)
         for req in expired:
             waited = now - req.queued_at
             why = f"waited {waited:.1f} s for a seat, longer than --max-queue-wait {limit_s:g} s"
