@@ -130,7 +130,7 @@ class CoreMetrics:
         )
         self.decisions = Counter(
             "gapless_scheduler_decisions",
-            "Scheduling policy choices: aged (a request past --priority-aging went first), "
+            "Scheduling policy choices: aged (admitted after waiting --priority-aging or longer), "
             "preempt_priority (for a request of a lower priority number), preempt_kv",
             ["decision"],
             registry=r,

@@ -38,6 +38,13 @@ from gapless.core.request import Request
 _BY_SEQ = lambda r: r.seq  # noqa: E731
 
 
+def _take(queue: list[Request], req: Request) -> None:
+    """Remove req from a queue sorted by seq."""
+    i = bisect.bisect_left(queue, req.seq, key=_BY_SEQ)
+    assert i < len(queue) and queue[i] is req, f"{req.request_id} is not waiting here"
+    del queue[i]
+
+
 class Policy:
     """FCFS, and the queue every policy keeps: waiting requests in arrival order."""
 
@@ -48,7 +55,7 @@ class Policy:
         self.aging_s = aging_s
         self.clock = clock
         self._queue: list[Request] = []  # every waiting request, by seq
-        self.num_aged = 0  # times an aged request went first
+        self.num_aged = 0  # requests admitted after waiting aging_s or longer
         # [T] tokens served per tenant: prompt tokens computed (once each), outputs sampled
         self.prompt_tokens = np.zeros(0, np.int64)
         self.output_tokens = np.zeros(0, np.int64)
@@ -67,7 +74,7 @@ class Policy:
 
     def remove(self, req: Request) -> None:
         """Admitted, or ended while waiting."""
-        del self._queue[bisect.bisect_left(self._queue, req.seq, key=_BY_SEQ)]
+        _take(self._queue, req)
 
     def peek(self) -> Request | None:
         """The request to admit next, or None."""
@@ -76,7 +83,6 @@ class Policy:
     def _aged(self) -> Request | None:
         oldest = self._queue[0] if self._queue else None
         if oldest is not None and self.clock() - oldest.queued_at >= self.aging_s:
-            self.num_aged += 1
             return oldest
         return None
 
@@ -107,6 +113,8 @@ class Policy:
 
     def on_admit(self, req: Request, max_outputs: int) -> None:
         """req takes a seat and may sample up to max_outputs more tokens there."""
+        if self.clock() - req.queued_at >= self.aging_s:
+            self.num_aged += 1
 
     def on_leave(self, req: Request, unsampled: int) -> None:
         """req leaves its seat; `unsampled` of the tokens allowed at admission will not be
@@ -133,7 +141,7 @@ class PriorityPolicy(Policy):
     def remove(self, req: Request) -> None:
         super().remove(req)
         queue = self._classes[req.priority]
-        del queue[bisect.bisect_left(queue, req.seq, key=_BY_SEQ)]
+        _take(queue, req)
         if not queue:
             del self._classes[req.priority]
 
@@ -197,7 +205,7 @@ class FairPolicy(PriorityPolicy):
         self._backlog[t] -= 1
         queues = self._tenant_queues[req.priority]
         queue = queues[t]
-        del queue[bisect.bisect_left(queue, req.seq, key=_BY_SEQ)]
+        _take(queue, req)
         if not queue:
             del queues[t]
             if not queues:
@@ -211,6 +219,7 @@ class FairPolicy(PriorityPolicy):
         return min(queues, key=lambda q: (due[q[0].tenant_id], q[0].seq))[0]
 
     def on_admit(self, req: Request, max_outputs: int) -> None:
+        super().on_admit(req, max_outputs)
         t = req.tenant_id
         self.committed[t] += max_outputs * self.output_weight * self._inv_weight[t]
 

@@ -135,3 +135,7 @@ def test_aging_bounds_the_wait_of_the_lowest_class():
         if now[0] > 6:
             break
     assert s.policy.peek() is old, "waited past the aging bound: next, whatever its class"
+    assert s.policy.num_aged == 0
+    while old.status.name == "WAITING":
+        admitted(s)
+    assert s.policy.num_aged == 1, "its admission counts as an aged decision"
