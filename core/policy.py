@@ -11,7 +11,8 @@ and asks a policy only these questions. Three policies:
   the least weighted service goes first (virtual token counters, VTC): a tenant is charged its
   prompt tokens when they are computed (a recompute after preemption is free) and
   `output_weight` per sampled token, each divided by its weight. A tenant that comes back from
-  idle is lifted to the least counter among the backlogged ones, so it banks no credit.
+  idle (nothing waiting, nothing running) is lifted to the least counter among the backlogged
+  ones, so it banks no credit.
   A tenant's requests keep their arrival order. The choice also counts what a tenant's running
   requests may still sample (their max_tokens left, weighted like outputs; released when they
   end): without it a tenant arriving while others hold every seat takes every seat that frees
@@ -177,6 +178,7 @@ class FairPolicy(PriorityPolicy):
         self.counters = np.zeros(0)  # [T] weighted service: tokens / weight
         self._inv_weight = np.zeros(0)  # [T] 1 / weight
         self._backlog = np.zeros(0, np.int64)  # [T] waiting requests per tenant
+        self._running = np.zeros(0, np.int64)  # [T] requests holding a seat per tenant
         # [T] weighted output that running requests may still sample (their max_tokens left)
         self.committed = np.zeros(0)
         # priority -> tenant id -> that tenant's waiting requests of the class, by seq
@@ -186,11 +188,14 @@ class FairPolicy(PriorityPolicy):
         self.counters = np.append(self.counters, 0.0)
         self._inv_weight = np.append(self._inv_weight, 1.0 / self._weights.get(tenant, 1.0))
         self._backlog = np.append(self._backlog, 0)
+        self._running = np.append(self._running, 0)
         self.committed = np.append(self.committed, 0.0)
 
     def add(self, req: Request) -> None:
         t = req.tenant_id
-        if self._backlog[t] == 0:  # back from idle: no banked credit
+        # back from idle (nothing waiting, nothing running): no banked credit. A tenant whose
+        # requests reach the core more slowly than seats free is not idle between them.
+        if self._backlog[t] == 0 and self._running[t] == 0:
             others = self._backlog > 0
             if others.any():
                 self.counters[t] = max(self.counters[t], self.counters[others].min())
@@ -221,10 +226,12 @@ class FairPolicy(PriorityPolicy):
     def on_admit(self, req: Request, max_outputs: int) -> None:
         super().on_admit(req, max_outputs)
         t = req.tenant_id
+        self._running[t] += 1
         self.committed[t] += max_outputs * self.output_weight * self._inv_weight[t]
 
     def on_leave(self, req: Request, unsampled: int) -> None:
         t = req.tenant_id
+        self._running[t] -= 1
         left = self.committed[t] - unsampled * self.output_weight * self._inv_weight[t]
         self.committed[t] = max(0.0, left)
 

@@ -139,3 +139,20 @@ def test_aging_bounds_the_wait_of_the_lowest_class():
     while old.status.name == "WAITING":
         admitted(s)
     assert s.policy.num_aged == 1, "its admission counts as an aged decision"
+
+
+def test_a_tenant_with_requests_running_is_not_idle():
+    """Its next request arriving after the last one got a seat is no return from idle."""
+    s = make_scheduler(max_num_seqs=2, policy=FairPolicy())
+    add(s, "a0", "a", out=30)
+    add(s, "b0", "b", prompt=40, out=30)  # b is charged 32 prompt tokens more than a
+    add(s, "b1", "b")
+    assert admitted(s) == ["a0", "b0"]
+    for _ in range(5):
+        admitted(s)
+    policy = s.policy
+    a, b = policy.tenant_id("a"), policy.tenant_id("b")
+    before = policy.counters[a]
+    assert policy.counters[b] > before
+    add(s, "a1", "a")  # a's queue was empty, but a0 runs: a is not idle, keeps its counter
+    assert policy.counters[a] == before, "a lift would have raised it to b's counter"
