@@ -82,7 +82,7 @@ class EngineCore:
         self.shutdown = False
         self._out = EngineOutputs()
         self._ended: list[tuple[str, str, str]] = []  # (request id, end reason, error) to send
-        self._queue_sent_at = -1.0  # time.monotonic() of the last QueueState
+        self._queue_checked_at = -1.0  # time.monotonic() the queue was last looked at
         self._queue_state: QueueState | None = None
         self._admitted: deque[tuple[float, int]] = deque()  # (monotonic, seats given), 10 s
 
@@ -166,7 +166,7 @@ class EngineCore:
             self._out.detok.append(self._token_batch(out))
         self._plan_ahead()
         self.metrics.observe_queues(self.scheduler)
-        if now - self._queue_sent_at >= QUEUE_STATE_INTERVAL_S:
+        if now - self._queue_checked_at >= QUEUE_STATE_INTERVAL_S:
             self._send_queue_state(now)
         outputs, self._out = self._out, EngineOutputs()
         return outputs
@@ -186,7 +186,8 @@ class EngineCore:
 
     def _send_queue_state(self, now: float) -> None:
         """Tell every frontend what waits, per frontend and tenant, if that changed; and the
-        per-tenant series of /metrics."""
+        per-tenant series of /metrics. At most every QUEUE_STATE_INTERVAL_S: it walks the queue."""
+        self._queue_checked_at = now
         n = self.config.api_servers
         waiting, tokens = [0] * n, [0] * n
         tenants: list[dict[str, int]] = [{} for _ in range(n)]
@@ -207,7 +208,7 @@ class EngineCore:
             if last.tenant_waiting == tenants:
                 return
         state = QueueState(waiting, tokens, tenants, rate)
-        self._queue_state, self._queue_sent_at = state, now
+        self._queue_state = state
         self._out.frontend.extend((f, state) for f in range(n))
 
     def _plan_ahead(self) -> None:
