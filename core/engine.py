@@ -174,11 +174,12 @@ class EngineCore:
     def _expire_waiting(self, now: float, limit_s: float) -> None:
         """End requests that have waited longer than limit_s for their first step."""
         expired = []
-        for req in self.scheduler.policy:  # arrival order, so oldest first
+        for req in self.scheduler.policy:  # arrival order: the unstarted ones oldest first
+            if req.started:  # preempted: it has had its first step
+                continue
             if now - req.queued_at <= limit_s:
                 break
-            if not req.started:  # a preempted request has had its first step
-                expired.append(req)
+            expired.append(req)
         for req in expired:
             waited = now - req.queued_at
             why = f"waited {waited:.1f} s for a seat, longer than --max-queue-wait {limit_s:g} s"

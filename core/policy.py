@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import bisect
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 
 import numpy as np
@@ -56,6 +57,7 @@ class Policy:
         self.aging_s = aging_s
         self.clock = clock
         self._queue: list[Request] = []  # every waiting request, by seq
+        self._by_wait: OrderedDict[Request, None] = OrderedDict()  # by queued_at, oldest first
         self.num_aged = 0  # requests admitted after waiting aging_s or longer
         # [T] tokens served per tenant: prompt tokens computed (once each), outputs sampled
         self.prompt_tokens = np.zeros(0, np.int64)
@@ -70,19 +72,24 @@ class Policy:
         return iter(self._queue)
 
     def add(self, req: Request) -> None:
-        """A request joins, new or back from preemption (it keeps its place)."""
+        """A request joins, new or back from preemption: it keeps its place in line, and its
+        wait for aging starts now (a victim must not come back aged and retake its seat)."""
         bisect.insort(self._queue, req, key=_BY_SEQ)
+        req.queued_at = self.clock()
+        self._by_wait[req] = None
 
     def remove(self, req: Request) -> None:
         """Admitted, or ended while waiting."""
         _take(self._queue, req)
+        del self._by_wait[req]
 
     def peek(self) -> Request | None:
         """The request to admit next, or None."""
         return self._queue[0] if self._queue else None
 
     def _aged(self) -> Request | None:
-        oldest = self._queue[0] if self._queue else None
+        """The request that has waited longest since it joined, if that is aging_s or more."""
+        oldest = next(iter(self._by_wait), None)
         if oldest is not None and self.clock() - oldest.queued_at >= self.aging_s:
             return oldest
         return None
@@ -194,8 +201,9 @@ class FairPolicy(PriorityPolicy):
     def add(self, req: Request) -> None:
         t = req.tenant_id
         # back from idle (nothing waiting, nothing running): no banked credit. A tenant whose
-        # requests reach the core more slowly than seats free is not idle between them.
-        if self._backlog[t] == 0 and self._running[t] == 0:
+        # requests reach the core more slowly than seats free is not idle between them, nor
+        # one whose preempted request comes back.
+        if self._backlog[t] == 0 and self._running[t] == 0 and not req.started:
             others = self._backlog > 0
             if others.any():
                 self.counters[t] = max(self.counters[t], self.counters[others].min())

@@ -156,3 +156,23 @@ def test_a_tenant_with_requests_running_is_not_idle():
     assert policy.counters[b] > before
     add(s, "a1", "a")  # a's queue was empty, but a0 runs: a is not idle, keeps its counter
     assert policy.counters[a] == before, "a lift would have raised it to b's counter"
+
+
+def test_a_preempted_old_request_does_not_retake_its_seat():
+    """A victim that has lived past the aging bound comes back with a fresh wait, so the
+    request it was preempted for runs, and the two do not trade the seat forever."""
+    now = [0.0]
+    for policy in (PriorityPolicy(aging_s=1.0, clock=lambda: now[0]), FairPolicy(aging_s=1.0)):
+        policy.clock = lambda: now[0]
+        s = make_scheduler(max_num_seqs=1, policy=policy)
+        batch = add(s, "batch", priority=10, prompt=40, out=30)
+        batch.queued_at = now[0]  # joined the queue at 0 on the test's clock
+        admitted(s)
+        now[0] += 5.0  # the batch request is far past the aging bound
+        vip = add(s, "vip", priority=-10)
+        assert admitted(s) == ["vip"]
+        while s.has_work:
+            now[0] += 0.01
+            admitted(s)
+        assert vip.finished and batch.finished and s.num_preemptions == 1
+        assert len(batch.output_ids) == 30, "the victim loses nothing"
