@@ -38,7 +38,7 @@ from gapless.core.request import Request
 from gapless.core.scheduler import ScheduledStep, Scheduler, StepOutput
 from gapless.core.timeline import DeviceTimeline
 
-ADMIT_WINDOW_S = 10.0  # the admission rate in QueueState is over this long
+DRAIN_WINDOW_S = 10.0  # QueueState's drain rate is over this long
 PROMPT_TAIL = 4  # prompt ids the detokenizer decodes in front of the first output token
 # end reasons as clients and metrics name them
 CLIENT_REASON = {"stop_token": "stop", "queue_timeout": "error"}
@@ -84,7 +84,7 @@ class EngineCore:
         self._ended: list[tuple[str, str, str]] = []  # (request id, end reason, error) to send
         self._queue_checked_at = -1.0  # time.monotonic() the queue was last looked at
         self._queue_state: QueueState | None = None
-        self._admitted: deque[tuple[float, int]] = deque()  # (monotonic, seats given), 10 s
+        self._freed: deque[tuple[float, int]] = deque()  # (monotonic, seats freed), last 10 s
 
     @property
     def has_work(self) -> bool:
@@ -199,10 +199,11 @@ class EngineCore:
             tokens[f] += req.num_prompt
             tenants[f][req.tenant] = tenants[f].get(req.tenant, 0) + 1
             priorities[req.priority] = priorities.get(req.priority, 0) + 1
-        admitted = self._admitted
-        while admitted and admitted[0][0] < now - ADMIT_WINDOW_S:
-            admitted.popleft()
-        rate = sum(k for _, k in admitted) / ADMIT_WINDOW_S
+        freed = self._freed
+        while freed and freed[0][0] < now - DRAIN_WINDOW_S:
+            freed.popleft()
+        # why freed, not given: a fill of idle seats gives many and says nothing of the drain
+        rate = sum(k for _, k in freed) / DRAIN_WINDOW_S
         self.metrics.observe_tenants(tenants, priorities, self.scheduler)
         last = self._queue_state
         if last is not None and (last.waiting, last.waiting_tokens) == (waiting, tokens):
@@ -222,8 +223,8 @@ class EngineCore:
             step.schedule_s = step.plan_sent - t0
             self._out.plans.append(step.plan)
             self.inflight.append(step)
-            if step.plan.new_slots:
-                self._admitted.append((time.monotonic(), len(step.plan.new_slots)))
+            if step.plan.freed_slots:
+                self._freed.append((time.monotonic(), len(step.plan.freed_slots)))
             self.metrics.step_planned(step, self.scheduler.running)
 
     def _apply(self, result: StepResult) -> StepOutput:

@@ -13,7 +13,7 @@ import time
 
 from gapless.core.common.messages import QueueState
 
-RATE_WINDOW_S = 10  # the start rate is over this many 1 s buckets, like the core's admitted_per_s
+RATE_WINDOW_S = 10  # the start rate is over this many 1 s buckets, like the core's drain_per_s
 
 
 class RateWindow:
@@ -90,7 +90,7 @@ class QueueView:
         self._others = 0  # the other frontends' queued requests, from QueueState
         self._others_tokens = 0
         self._others_tenants: dict[str, int] = {}
-        self.admitted_per_s = 0.0  # seats the core gave per second (every frontend), last 10 s
+        self.core_drain_per_s = 0.0  # seats the core freed per second (every frontend), last 10 s
         self.starts = RateWindow()  # this frontend's requests that started
 
     def take(self, tenant: str, n: int) -> Ticket:
@@ -118,7 +118,7 @@ class QueueView:
                 for tenant, n in per_tenant.items():
                     others[tenant] = others.get(tenant, 0) + n
         self._others_tenants = others
-        self.admitted_per_s = state.admitted_per_s
+        self.core_drain_per_s = state.drain_per_s
 
     @property
     def num_queued(self) -> int:
@@ -132,6 +132,6 @@ class QueueView:
         return self._tenants.get(tenant, 0) + self._others_tenants.get(tenant, 0)
 
     def drain_per_s(self) -> float:
-        """Queued requests leaving per second: the core's admission rate, else (none reported
+        """Queued requests leaving per second: how fast the core freed seats, else (none reported
         yet, or none in its window) this frontend's own start rate."""
-        return self.admitted_per_s or self.starts.per_s()
+        return self.core_drain_per_s or self.starts.per_s()

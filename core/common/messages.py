@@ -296,7 +296,7 @@ class QueueState(_Msg):
     waiting: list[int]  # requests
     waiting_tokens: list[int]  # their prompt tokens
     tenant_waiting: list[dict[str, int]]  # requests per tenant (tenants with none left out)
-    admitted_per_s: float  # requests that got a seat per second, over the last 10 s
+    drain_per_s: float  # seats freed per second (requests that ended or were preempted), last 10 s
 
 
 QUEUE_STATE_INTERVAL_S = 0.02

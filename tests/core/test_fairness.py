@@ -173,7 +173,7 @@ def test_tenant_series_and_queue_state(default_gguf):
         assert value("gapless_tenant_requests_waiting", labels) == 0, "nothing waits at the end"
     states = [m for m in h.frontend if isinstance(m, QueueState)]
     assert max(s.tenant_waiting[0].get("A", 0) for s in states) == 12 - 4
-    assert states[-1].waiting == [0] and states[-1].admitted_per_s > 0
+    assert states[-1].waiting == [0] and states[-1].drain_per_s > 0
 
 
 def test_a_request_that_waits_too_long_is_ended(default_gguf):

@@ -69,12 +69,12 @@ class FakeEngine(EngineClient):
         waiting: list[int],
         tokens: list[int] | None = None,
         tenants: list[dict[str, int]] | None = None,
-        admitted_per_s: float = 0.0,
+        drain_per_s: float = 0.0,
     ) -> None:
         """The core's QueueState, lists indexed by frontend id."""
         tokens = tokens or [0] * len(waiting)
         tenants = tenants or [{} for _ in waiting]
-        self.dispatch(QueueState(waiting, tokens, tenants, admitted_per_s))
+        self.dispatch(QueueState(waiting, tokens, tenants, drain_per_s))
 
     def time_out(self, request_id: str, waited_s: float = 2.0, limit_s: float = 1.0) -> None:
         """End a queued request as the core does past --max-queue-wait."""

@@ -206,7 +206,7 @@ def test_retry_after(excess, rate, seconds) -> None:
 
 
 @pytest.mark.parametrize(
-    ("waiting", "admitted_per_s", "retry_after"),
+    ("waiting", "drain_per_s", "retry_after"),
     [
         (10, 2.0, 4),  # 10 + 1 - 4 = 7 must drain at 2/s: 3.5 s, rounded up
         (10, 100.0, 1),  # at least 1
@@ -216,11 +216,11 @@ def test_retry_after(excess, rate, seconds) -> None:
     ],
 )
 async def test_retry_after_follows_the_drain_rate(
-    make_config, engine: FakeEngine, waiting, admitted_per_s, retry_after
+    make_config, engine: FakeEngine, waiting, drain_per_s, retry_after
 ) -> None:
     app = build_app(make_config(max_queued_requests=4, api_servers=2), engine)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
-        engine.queue_state([0, waiting], admitted_per_s=admitted_per_s)
+        engine.queue_state([0, waiting], drain_per_s=drain_per_s)
         r = await c.post("/v1/completions", json={"prompt": "x"})
         error = _error(r, 429, "queue_full")
         assert r.headers["retry-after"] == str(retry_after)
@@ -232,7 +232,7 @@ async def test_retry_after_falls_back_to_this_frontends_start_rate(make_config, 
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
         for _ in range(5):  # 5 starts in the last 10 s: 0.5 per second
             assert (await c.post("/v1/completions", json={"prompt": "x"})).status_code == 200
-        engine.queue_state([0, 10], admitted_per_s=0.0)
+        engine.queue_state([0, 10], drain_per_s=0.0)
         r = await c.post("/v1/completions", json={"prompt": "x"})
         assert r.headers["retry-after"] == "14"  # 7 over the cap at 0.5/s
 
@@ -248,7 +248,7 @@ async def test_a_queue_timeout_is_a_429(
             task = asyncio.ensure_future(c.post(path, json={**body, "stream": stream}))
             await _eventually(lambda: len(engine.queue.unstarted) == 1)
             # 20 wait elsewhere, 4/s drain: 4 of them fit in the 1 s wait, 16 / 4 = 4 s
-            engine.queue_state([0, 20], admitted_per_s=4.0)
+            engine.queue_state([0, 20], drain_per_s=4.0)
             engine.time_out(next(iter(engine.queue.unstarted)))
             r = await task
             error = _error(r, 429, "queue_timeout")
