@@ -237,9 +237,10 @@ class CoreMetrics:
 
     def tenant_label(self, tenant: str) -> str:
         label = self._labels.get(tenant)
-        if label is None:
-            label = tenant if len(self._labels) < MAX_TENANT_LABELS else "other"
-            self._labels[tenant] = label
+        if label is None:  # past the bound nothing is stored: any tenant name is one of them
+            if len(self._labels) >= MAX_TENANT_LABELS:
+                return "other"
+            label = self._labels[tenant] = tenant
         return label
 
     def observe_tenants(

@@ -40,6 +40,10 @@ from gapless.core.request import Request
 _BY_SEQ = lambda r: r.seq  # noqa: E731
 
 
+def _resized(a: np.ndarray, n: int) -> np.ndarray:
+    return np.concatenate([a, np.zeros(n - len(a), a.dtype)])
+
+
 def _take(queue: list[Request], req: Request) -> None:
     """Remove req from a queue sorted by seq."""
     i = bisect.bisect_left(queue, req.seq, key=_BY_SEQ)
@@ -108,12 +112,17 @@ class Policy:
         if t is None:
             t = self._ids[tenant] = len(self.tenants)
             self.tenants.append(tenant)
-            self.prompt_tokens = np.append(self.prompt_tokens, 0)
-            self.output_tokens = np.append(self.output_tokens, 0)
-            self._new_tenant(tenant)
+            if t == len(self.prompt_tokens):  # arrays grow by doubling: O(1) per tenant
+                self._grow(max(8, 2 * t))
+            self._new_tenant(t, tenant)
         return t
 
-    def _new_tenant(self, tenant: str) -> None:
+    def _grow(self, n: int) -> None:
+        """Every per-tenant array to n entries (the ones past len(tenants) stay zero)."""
+        self.prompt_tokens = _resized(self.prompt_tokens, n)
+        self.output_tokens = _resized(self.output_tokens, n)
+
+    def _new_tenant(self, t: int, tenant: str) -> None:
         pass
 
     def charge_prompt(self, req: Request, num_tokens: int) -> None:
@@ -191,12 +200,16 @@ class FairPolicy(PriorityPolicy):
         # priority -> tenant id -> that tenant's waiting requests of the class, by seq
         self._tenant_queues: dict[int, dict[int, list[Request]]] = {}
 
-    def _new_tenant(self, tenant: str) -> None:
-        self.counters = np.append(self.counters, 0.0)
-        self._inv_weight = np.append(self._inv_weight, 1.0 / self._weights.get(tenant, 1.0))
-        self._backlog = np.append(self._backlog, 0)
-        self._running = np.append(self._running, 0)
-        self.committed = np.append(self.committed, 0.0)
+    def _grow(self, n: int) -> None:
+        super()._grow(n)
+        self.counters = _resized(self.counters, n)
+        self._inv_weight = _resized(self._inv_weight, n)
+        self._backlog = _resized(self._backlog, n)
+        self._running = _resized(self._running, n)
+        self.committed = _resized(self.committed, n)
+
+    def _new_tenant(self, t: int, tenant: str) -> None:
+        self._inv_weight[t] = 1.0 / self._weights.get(tenant, 1.0)
 
     def add(self, req: Request) -> None:
         t = req.tenant_id
