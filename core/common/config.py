@@ -66,7 +66,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     Every field is a `gapless serve` flag unless marked NOT_A_FLAG; core/launch/cli.py generates
     them: `--field-name`, or `--no-field-name` for a bool that defaults to True, the description
-    is the help. Meta(extra=...) keys: flag (the flag's name without `--`), metavar, parse,
+    is the help. Meta(extra=...) keys: flag (the flag's name without `--`), off (the help of a
+    `--no-` flag: what turning the default off does), metavar, parse,
     choices and default (hooks cli.py resolves by name, so this shared module imports no role),
     env (the default comes from this environment variable).
     """
@@ -91,7 +92,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         bool,
         msgspec.Meta(
             description="schedule the next step while the device runs this one "
-            "(off: one step at a time, for A/B runs)"
+            "(off: one step at a time, for A/B runs)",
+            extra={
+                "off": "run one step at a time instead of planning the next while the device "
+                "runs this one (for A/B runs)"
+            },
         ),
     ] = True
     scheduling_policy: Annotated[
@@ -165,7 +170,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     cuda_graph: Annotated[
         bool,
         msgspec.Meta(
-            description="replay cuda decode steps as captured graphs (off: run them eagerly)"
+            description="replay cuda decode steps as captured graphs (off: run them eagerly)",
+            extra={"off": "run cuda decode steps eagerly instead of replaying captured graphs"},
         ),
     ] = True
     trace_file: Annotated[

@@ -111,11 +111,17 @@ def add_config_flags(p: argparse.ArgumentParser, cls: type[msgspec.Struct] = Eng
         default = os.environ.get(extra["env"], default) if "env" in extra else default
         text = description.replace("%", "%%")  # argparse %-formats help
         if kind is bool:  # a switch away from the default: --no-overlap for a True field
+            what = field.name.replace("_", " ")
+            help_ = (
+                f"{extra.get('off', description)} (default: {what} on)"
+                if default
+                else f"{description} (default: off)"
+            )
             p.add_argument(
                 name.replace("--", "--no-") if default else name,
                 dest=field.name,
                 action="store_false" if default else "store_true",
-                help=f"{text} (default: {'on' if default else 'off'})",
+                help=help_.replace("%", "%%"),
             )
             continue
         parse, show = PARSERS[extra["parse"]] if "parse" in extra else (kind, str)
