@@ -27,8 +27,8 @@ class RunningBatch:
         self.num_sent = np.zeros(s, np.int64)  # blocks the runner already knows
         self.ignore_eos = np.zeros(s, bool)
         self.has_stop_ids = np.zeros(s, bool)
-        self.wants_logprobs = np.zeros(s, bool)
         self.tenant_id = np.zeros(s, np.int64)  # the scheduling policy's tenant index
+        self.priority = np.zeros(s, np.int64)
         self.out = np.zeros((s, max_model_len), np.int64)  # [slot, output index] ids
         self.max_model_len = max_model_len
 
@@ -57,8 +57,8 @@ class RunningBatch:
         self.num_sent[slot] = 0
         self.ignore_eos[slot] = req.params.ignore_eos
         self.has_stop_ids[slot] = bool(req.params.stop_token_ids)
-        self.wants_logprobs[slot] = req.params.logprobs is not None
         self.tenant_id[slot] = req.tenant_id
+        self.priority[slot] = req.priority
 
     def append(self, slots: np.ndarray, tokens: np.ndarray) -> None:
         """One sampled id for each slot's request: [R] slots, [R] ids."""

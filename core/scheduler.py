@@ -67,7 +67,7 @@ class Scheduler:
         self._eos = np.asarray(eos_token_ids, np.int64)
         self.policy = Policy() if policy is None else policy  # which request next, whom to preempt
         self._parked: list[Request] = []  # preempted with samples in flight: wait for them
-        self.running: list[Request] = []  # admission order; the newest is preempted first
+        self.running: list[Request] = []  # admission order; the policy picks whom to preempt
         self._run_slots: np.ndarray | None = None  # slots of `running`, rebuilt on change
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0  # all, for KV blocks or for priority
@@ -202,12 +202,17 @@ class Scheduler:
         """While the next waiting request outranks a running one and lacks a seat or the KV
         blocks of its first chunk, preempt the running request the policy gives up first."""
         while self.running and (nxt := self.policy.peek()) is not None:
-            victim = self.policy.victim(self.running)
-            if not self.policy.outranks(nxt, victim):
-                return
             first_chunk = min(nxt.num_tokens, self.max_num_batched_tokens)
             has_seat = len(self.running) < self.max_num_seqs
             if has_seat and self.blocks.can_allocate(self.blocks.blocks_for(first_chunk)):
+                return
+            # why the array first: a full engine with a queue comes here every step, and the
+            # policy's victim is a Python max over the batch (~20 us at 256); a request can only
+            # outrank one of a higher priority number
+            if nxt.priority >= self.rb.priority[self._running_slots()].max():
+                return
+            victim = self.policy.victim(self.running)
+            if not self.policy.outranks(nxt, victim):
                 return
             self.preempt(victim)
             self.num_priority_preemptions += 1
@@ -350,7 +355,7 @@ class Scheduler:
             else:
                 req.apply_off_slot(int(tokens[j]))
                 self.policy.charge_outputs(np.asarray([req.tenant_id]))
-                if req.num_pending == 0 and not req.finished:
+                if req.num_pending == 0:
                     self._parked.remove(req)
                     self.policy.add(req)
                 kept.append(j)
