@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from enum import Enum
 from typing import TYPE_CHECKING
 
@@ -87,7 +86,7 @@ class Request:
         self.tenant = msg.tenant
         self.priority = msg.priority  # lower runs sooner
         self.seq = seq  # arrival order in the core: a request's place in line
-        self.queued_at = time.monotonic()  # when it last joined the waiting queue
+        self.queued_at = 0.0  # policy clock when it last joined the waiting queue (Policy.add)
         self.tenant_id = 0  # the policy's index of the tenant
         self.prompt_charged = 0  # prompt tokens charged to the tenant (a recompute is free)
         self.started = False  # got a seat once (a preempted request has)
