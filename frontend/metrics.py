@@ -3,7 +3,7 @@ observer; a served frontend installs PrometheusObserver."""
 
 from __future__ import annotations
 
-from gapless.core.common.metrics import FrontendMetrics
+from gapless.core.common.metrics import BatchedHistogram, FrontendMetrics
 
 
 class RequestObserver:
@@ -43,6 +43,9 @@ class RequestObserver:
 class PrometheusObserver(RequestObserver):
     def __init__(self, series: FrontendMetrics | None = None) -> None:
         self.series = series or FrontendMetrics()
+        # observed once per delta of every stream: batched, and flushed as each request ends
+        self._itl = BatchedHistogram(self.series.itl)
+        self._stream = BatchedHistogram(self.series.stream)
 
     def tokenized(self, seconds: float) -> None:
         self.series.tokenize.observe(seconds)
@@ -55,16 +58,18 @@ class PrometheusObserver(RequestObserver):
 
     def delta(self, gap_s: float, num_tokens: int) -> None:
         if num_tokens:
-            self.series.itl.observe(gap_s / num_tokens)
+            self._itl.observe(gap_s / num_tokens)
 
     def streamed(self, seconds: float) -> None:
-        self.series.stream.observe(seconds)
+        self._stream.observe(seconds)
 
     def finished(
         self, endpoint: str, e2e_s: float, output_tokens: int, finish_reason: str | None
     ) -> None:
         if finish_reason is not None:
             self.series.e2e.observe(e2e_s)
+        self._itl.flush()
+        self._stream.flush()
 
     def aborted(self, endpoint: str) -> None:
         self.series.aborted.inc()

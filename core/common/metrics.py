@@ -9,7 +9,9 @@ frontend's /metrics merges all of them. Each role creates only its own series, w
 from __future__ import annotations
 
 import os
+import time
 
+import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 
@@ -49,6 +51,54 @@ def stage_histogram(registry: CollectorRegistry | None) -> Histogram:
         buckets=STAGE_BUCKETS,
         registry=registry,
     )
+
+
+class BatchedHistogram:
+    """A histogram (or one labelled child) observed many times per step, e.g. once per streamed
+    delta: values wait in a list and go in as one increment per bucket, which under multiprocess
+    mode is one mmap write per bucket instead of two per value (the frontend's profile at 64
+    streams showed Histogram.observe at 14% of its CPU;
+    `pytest tests/core/test_metrics.py -k batched --benchmark-enable` compares the two).
+
+    The list goes in once it holds `max_values`, on the first observation `max_delay_s` after the
+    last flush, and on `flush()` (the frontend flushes as each request ends), so /metrics lags
+    by at most that. Writes through the histogram's own bucket values; a prometheus_client
+    without them gets plain observe() calls.
+    """
+
+    def __init__(self, hist: Histogram, max_values: int = 1024, max_delay_s: float = 0.5):
+        self._hist = hist
+        self._bounds = np.asarray(getattr(hist, "_upper_bounds", ()), dtype=float)
+        self._direct = not (hasattr(hist, "_buckets") and hasattr(hist, "_sum"))
+        self._values: list[float] = []
+        self._max_values = max_values
+        self._max_delay_s = max_delay_s
+        self._flushed_at = time.monotonic()
+
+    def observe(self, value: float) -> None:
+        if self._direct:
+            self._hist.observe(value)
+            return
+        values = self._values
+        values.append(value)
+        if len(values) >= self._max_values or (
+            time.monotonic() - self._flushed_at >= self._max_delay_s
+        ):
+            self.flush()
+
+    def flush(self) -> None:
+        self._flushed_at = time.monotonic()
+        if not self._values:
+            return
+        values = np.asarray(self._values, dtype=float)
+        self._values = []
+        # bucket i holds the values v with bounds[i-1] < v <= bounds[i] (the last bound is +Inf)
+        index = np.searchsorted(self._bounds, values, side="left")
+        counts = np.bincount(np.minimum(index, len(self._bounds) - 1))
+        buckets = self._hist._buckets  # type: ignore[attr-defined]
+        for i in np.flatnonzero(counts):
+            buckets[i].inc(int(counts[i]))
+        self._hist._sum.inc(float(values.sum()))  # type: ignore[attr-defined]
 
 
 def render(registry: CollectorRegistry | None = None) -> bytes:

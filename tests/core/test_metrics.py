@@ -14,12 +14,20 @@ from types import SimpleNamespace
 
 import httpx
 import pytest
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client import values as prometheus_values
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 
 from gapless.core.common.messages import NewSlot, SamplingParams, StepPlan, StepResult, StepTiming
-from gapless.core.common.metrics import STAGES, DetokenizerMetrics, FrontendMetrics, render
+from gapless.core.common.metrics import (
+    STAGE_BUCKETS,
+    STAGES,
+    BatchedHistogram,
+    DetokenizerMetrics,
+    FrontendMetrics,
+    render,
+)
 from gapless.core.metrics import CoreMetrics
 from gapless.core.scheduler import ScheduledStep
 from gapless.core.timeline import DeviceTimeline
@@ -216,6 +224,72 @@ def test_processes_merge_through_the_multiprocess_dir(tmp_path) -> None:
     assert samples[("gapless_requests_rejected_total", (("reason", "invalid_json"),))] == 2
     assert samples[("gapless_requests_finished_total", (("finish_reason", "stop"),))] == 1
     assert samples[("gapless_requests_running", ())] == 3
+
+
+def _two_histograms(registry: CollectorRegistry | None = None) -> tuple[Histogram, Histogram]:
+    return tuple(  # type: ignore[return-value]
+        Histogram(name, "h", ["stage"], buckets=STAGE_BUCKETS, registry=registry).labels("x")
+        for name in ("direct_seconds", "batched_seconds")
+    )
+
+
+# values on every bound, between them, below the first and past the last (+Inf)
+_VALUES = [*STAGE_BUCKETS, *(b * 1.5 for b in STAGE_BUCKETS), 0.0, 1e-7, 11.0, 1e6]
+
+
+def _by_name(registry: CollectorRegistry) -> dict[tuple[str, tuple], float]:
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in registry.collect()
+        for s in family.samples
+    }
+
+
+def test_batched_histogram_counts_as_observe_does() -> None:
+    registry = CollectorRegistry()
+    direct, batched_hist = _two_histograms(registry)
+    batched = BatchedHistogram(batched_hist, max_values=7, max_delay_s=3600)
+    for v in _VALUES * 3:
+        direct.observe(v)
+        batched.observe(v)
+    batched.flush()
+    samples = _by_name(registry)
+    want = {k: v for k, v in samples.items() if k[0].startswith("direct_seconds_")}
+    got = {
+        (k[0].replace("batched", "direct"), k[1]): v
+        for k, v in samples.items()
+        if k[0].startswith("batched_seconds_")
+    }
+    assert got == pytest.approx(want)
+    assert want[("direct_seconds_count", (("stage", "x"),))] == 3 * len(_VALUES)
+
+
+def test_batched_histogram_flushes_by_size_and_by_age() -> None:
+    registry = CollectorRegistry()
+    _, hist = _two_histograms(registry)
+    count = lambda: registry.get_sample_value("batched_seconds_count", {"stage": "x"})  # noqa: E731
+    by_size = BatchedHistogram(hist, max_values=3, max_delay_s=3600)
+    by_size.observe(0.1)
+    by_size.observe(0.2)
+    assert count() == 0  # waiting in the list
+    by_size.observe(0.3)
+    assert count() == 3
+    by_age = BatchedHistogram(hist, max_values=1000, max_delay_s=0.0)
+    by_age.observe(0.4)
+    assert count() == 4
+
+
+@pytest.mark.parametrize("how", ["observe", "batched"])
+def test_bench_histogram_under_multiprocess_mode(benchmark, how, tmp_path, monkeypatch) -> None:
+    """One observation with mmap-backed values, as every served process has them."""
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    monkeypatch.setattr(prometheus_values, "ValueClass", prometheus_values.MultiProcessValue())
+    hist = Histogram("b_seconds", "b", buckets=STAGE_BUCKETS, registry=CollectorRegistry())
+    observe = hist.observe if how == "observe" else BatchedHistogram(hist).observe
+    benchmark(observe, 0.003)
+    if how == "batched":
+        observe.__self__.flush()  # type: ignore[attr-defined]
+    assert hist._sum.get() > 0  # type: ignore[attr-defined]  # the mmap file has them
 
 
 def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
