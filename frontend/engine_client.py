@@ -40,6 +40,44 @@ log = logging.getLogger("gapless.frontend")
 _DEAD = object()  # queue sentinel: the engine died while the request was in flight
 
 
+def _joined(a: TextDelta, b: TextDelta) -> TextDelta:
+    """Two deltas of one engine request, in order, as one."""
+    logprobs = None
+    if a.logprobs is not None or b.logprobs is not None:
+        logprobs = (a.logprobs or []) + (b.logprobs or [])
+    return TextDelta(
+        a.request_id,
+        a.text + b.text,
+        a.token_ids + b.token_ids,
+        b.num_prompt_tokens,
+        b.num_output_tokens,
+        b.finish_reason,
+        logprobs,
+        b.error,
+        b.code,
+    )
+
+
+def _coalesced(items: list) -> list[tuple[TextDelta, float]]:
+    """Queued (delta, received) items as one delta per engine request, in the order each
+    request first appears, its own deltas joined in order; the received time is the first's,
+    so the delivery latency counts from the oldest token. Stops at _DEAD.
+
+    A consumer that keeps up takes one item at a time and this changes nothing; one that fell
+    behind (a slow client, a busy event loop) sends one SSE event per choice for everything
+    that waited instead of one per step, which is what lets it catch up."""
+    merged: dict[str, tuple[TextDelta, float]] = {}
+    for item in items:
+        if item is _DEAD:
+            break
+        delta, received = item
+        prev = merged.get(delta.request_id)
+        merged[delta.request_id] = (
+            (delta, received) if prev is None else (_joined(prev[0], delta), prev[1])
+        )
+    return list(merged.values())
+
+
 class EngineDeadError(Exception):
     """The engine is gone; every in-flight and later request fails with this."""
 
@@ -154,14 +192,15 @@ class EngineClient:
                     )
                 )
             while running:
-                item = await queue.get()
-                if item is _DEAD:
+                items = [await queue.get()]
+                while not queue.empty():  # the consumer fell behind: take all that waits
+                    items.append(queue.get_nowait())
+                for delta, self.last_received in _coalesced(items):
+                    if delta.finish_reason is not None:
+                        running.discard(delta.request_id)
+                    yield index[delta.request_id], delta
+                if any(item is _DEAD for item in items):
                     raise EngineDeadError(self.dead_reason)
-                assert isinstance(item, tuple)
-                delta, self.last_received = item
-                if delta.finish_reason is not None:
-                    running.discard(delta.request_id)
-                yield index[delta.request_id], delta
         finally:
             for rid in ids:
                 self._queues.pop(rid, None)

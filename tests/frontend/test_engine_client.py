@@ -19,6 +19,7 @@ from gapless.core.common.messages import (
     SamplingParams,
     TextDelta,
     TextDeltas,
+    TokenLogprob,
 )
 from gapless.core.common.process import CORE_IN, frontend_socket
 from gapless.frontend.engine_client import EngineClient, EngineDeadError, ZmqEngineClient
@@ -48,13 +49,56 @@ async def test_generate_n_merges_choices_and_cleans_up() -> None:
     client.dispatch(TextDeltas([_delta("3-0-1", 1), _delta("other", 1), _delta("3-0-0", 1)]))
     client.dispatch(TextDeltas([_delta("3-0-0", 2, "stop"), _delta("3-0-1", 2, "length")]))
     got = [await first] + [x async for x in stream]
-    assert [(i, d.text, d.finish_reason) for i, d in got] == [
-        (1, "t1", None),
-        (0, "t1", None),
-        (0, "t2", "stop"),
-        (1, "t2", "length"),
+    # the consumer read nothing until both steps were in: one delta per choice, joined in order
+    assert [(i, d.text, d.token_ids, d.num_output_tokens, d.finish_reason) for i, d in got] == [
+        (1, "t1t2", [1, 2], 2, "length"),
+        (0, "t1t2", [1, 2], 2, "stop"),
     ]
     assert not client._queues and len(sent) == 2  # no Abort after a full finish
+
+
+@pytest.mark.anyio
+async def test_a_consumer_that_keeps_up_gets_every_delta() -> None:
+    client, _ = _client()
+    stream = client.generate_n("k", [1], [PARAMS])
+    got = []
+    for n in range(1, 4):
+        task = asyncio.ensure_future(stream.__anext__())
+        await asyncio.sleep(0)
+        client.dispatch(TextDeltas([_delta("k-0", n, "stop" if n == 3 else None)]))
+        got.append((await task)[1].text)
+    assert got == ["t1", "t2", "t3"]
+
+
+@pytest.mark.anyio
+async def test_a_consumer_behind_gets_what_waited_joined_with_logprobs() -> None:
+    client, _ = _client()
+    stream = client.generate_n("b", [1], [PARAMS])
+    task = asyncio.ensure_future(stream.__anext__())
+    await asyncio.sleep(0)
+    lp = [TokenLogprob(f"t{n}", -float(n), n) for n in range(1, 4)]
+    client.dispatch(TextDeltas([msgspec.structs.replace(_delta("b-0", 1), logprobs=lp[:1])]))
+    client.dispatch(TextDeltas([msgspec.structs.replace(_delta("b-0", 2), logprobs=lp[1:2])]))
+    client.dispatch(
+        TextDeltas([msgspec.structs.replace(_delta("b-0", 3, "length"), logprobs=lp[2:])])
+    )
+    _, delta = await task
+    assert (delta.text, delta.token_ids, delta.num_output_tokens) == ("t1t2t3", [1, 2, 3], 3)
+    assert delta.finish_reason == "length" and delta.logprobs == lp
+    assert [d async for d in stream] == []
+
+
+@pytest.mark.anyio
+async def test_deltas_before_the_engine_died_are_delivered_then_the_error() -> None:
+    client, _ = _client()
+    stream = client.generate_n("d", [1], [PARAMS])
+    task = asyncio.ensure_future(stream.__anext__())
+    await asyncio.sleep(0)
+    client.dispatch(TextDeltas([_delta("d-0", 1)]))
+    client.dispatch(EngineDead("gone"))
+    assert (await task)[1].text == "t1"
+    with pytest.raises(EngineDeadError):
+        await stream.__anext__()
 
 
 @pytest.mark.anyio
