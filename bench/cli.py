@@ -10,13 +10,14 @@ bench plot --from a.json b.json --plot-dir figs
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import signal
 import sys
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
+
+import uvloop
 
 from gapless.bench.loadgen import LoadSpec
 from gapless.bench.report import (
@@ -279,7 +280,7 @@ def bench_targets(args: argparse.Namespace, targets: list[Target], tokenizer: st
         )
         for target in targets:
             model = args.model or served[target.name].id
-            run, steps = asyncio.run(bench_target(target, model, workload, load))
+            run, steps = uvloop.run(bench_target(target, model, workload, load))
             runs.append(run)
             steps_of[len(runs) - 1] = steps
             print(format_run(run), flush=True)

@@ -7,7 +7,7 @@ import math
 import time
 from dataclasses import dataclass
 
-import httpx
+import aiohttp
 import numpy as np
 from tqdm import tqdm
 
@@ -50,13 +50,13 @@ def request_offsets(workload: Workload, spec: LoadSpec) -> np.ndarray:
     return arrival_offsets(len(arrivals), spec.request_rate, spec.seed)
 
 
-def http_client(
-    base_url: str, api_key: str | None, timeout_s: float, size: int
-) -> httpx.AsyncClient:
+def http_client(api_key: str | None, timeout_s: float, size: int) -> aiohttp.ClientSession:
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    limits = httpx.Limits(max_connections=max(1, size), max_keepalive_connections=max(1, size))
-    timeout = httpx.Timeout(timeout_s, connect=30.0)
-    return httpx.AsyncClient(base_url=base_url, headers=headers, timeout=timeout, limits=limits)
+    return aiohttp.ClientSession(
+        headers=headers,
+        timeout=aiohttp.ClientTimeout(total=timeout_s, connect=30.0),
+        connector=aiohttp.TCPConnector(limit=max(1, size)),
+    )
 
 
 async def run_load(
@@ -72,7 +72,8 @@ async def run_load(
     gate = asyncio.Semaphore(spec.max_concurrency or len(requests) or 1)
     bar = tqdm(total=len(requests), desc=label or base_url, unit="req", disable=not spec.progress)
     size = min(len(requests), spec.max_concurrency or len(requests))
-    async with http_client(base_url, api_key, spec.request_timeout_s, size) as client:
+    url = base_url.rstrip("/") + "/v1/completions"
+    async with http_client(api_key, spec.request_timeout_s, size) as client:
         t0 = time.perf_counter()
 
         async def one(i: int) -> RequestRecord:
@@ -93,7 +94,7 @@ async def run_load(
             headers = {"X-Tenant": req.tenant} if req.tenant is not None else None
             async with gate:
                 record = RequestRecord(req.prompt_len, req.output_len, tenant=req.tenant)
-                await stream_completion(client, "/v1/completions", body, record, headers)
+                await stream_completion(client, url, body, record, headers)
             bar.update(1)
             return record
 

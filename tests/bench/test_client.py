@@ -3,14 +3,17 @@ from __future__ import annotations
 import asyncio
 import json
 
-import httpx
+import aiohttp
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
 
 from gapless.bench.client import RequestRecord, completion_payload, stream_completion
 from gapless.bench.loadgen import LoadSpec, run_load
 from gapless.bench.sse import Event, SSEDecoder
 from gapless.bench.workloads import BenchRequest, Workload
 from tests.bench.fake_openai import FakeOpenAI, ThreadedServer
+from tests.server import free_port
 
 
 def feed_all(lines):
@@ -50,44 +53,44 @@ def chunk(text, usage=None):
     return f"data: {json.dumps(doc)}\n\n".encode()
 
 
-class Chunks(httpx.AsyncByteStream):
-    """Canned body bytes, optionally failing like a dropped connection after them."""
-
-    def __init__(self, parts, fail=False):
-        self.parts, self.fail = parts, fail
-
-    async def __aiter__(self):
-        for part in self.parts:
-            await asyncio.sleep(0.001)
-            yield part
-        if self.fail:
-            raise httpx.RemoteProtocolError("peer closed connection")
-
-
 def run_one(handler):
+    """One stream_completion against a local aiohttp server whose POST handler is `handler`."""
+
     async def go():
-        transport = httpx.MockTransport(handler)
-        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+        app = web.Application()
+        app.router.add_post("/v1/completions", handler)
+        async with TestServer(app) as server, aiohttp.ClientSession() as session:
             body = completion_payload("m", "hi", 4, ignore_eos=True, temperature=0.0)
-            return await stream_completion(client, "/v1/completions", body, RequestRecord(3, 4))
+            url = str(server.make_url("/v1/completions"))
+            return await stream_completion(session, url, body, RequestRecord(3, 4))
 
     return asyncio.run(go())
 
 
-def sse(parts, fail=False, status=200):
-    headers = {"content-type": "text/event-stream"}
-    return lambda request: httpx.Response(status, headers=headers, stream=Chunks(parts, fail))
+def sse(parts, fail=False, seen=None):
+    """A handler streaming canned body parts; `fail` drops the connection after them."""
+
+    async def handler(request):
+        if seen is not None:
+            seen.append(await request.json())
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(request)
+        for part in parts:
+            await asyncio.sleep(0.001)
+            await resp.write(part)
+        if fail:
+            request.transport.close()
+            return resp
+        await resp.write_eof()
+        return resp
+
+    return handler
 
 
 def test_stream_with_usage():
     seen = []
-
-    def handler(request):
-        seen.append(json.loads(request.content))
-        parts = [chunk(" a"), chunk(" b"), chunk(""), chunk(" c"), chunk(None, usage=7)]
-        return sse([*parts, b"data: [DONE]\n\n"])(request)
-
-    r = run_one(handler)
+    parts = [chunk(" a"), chunk(" b"), chunk(""), chunk(" c"), chunk(None, usage=7)]
+    r = run_one(sse([*parts, b"data: [DONE]\n\n"], seen=seen))
     assert r.ok and r.error is None
     assert r.output_tokens == 7  # usage wins over counting chunks
     assert r.ttft > 0 and len(r.itl) == 2 and all(x > 0 for x in r.itl)
@@ -103,8 +106,8 @@ def test_stream_without_usage_counts_chunks():
 
 
 def test_http_error_is_recorded():
-    def handler(request):
-        return httpx.Response(400, json={"error": {"message": "max_tokens is too large"}})
+    async def handler(request):
+        return web.json_response({"error": {"message": "max_tokens is too large"}}, status=400)
 
     r = run_one(handler)
     assert not r.ok and r.error == "HTTP 400: max_tokens is too large"
@@ -123,7 +126,7 @@ def test_named_error_event_is_recorded():
 
 def test_broken_stream_is_recorded():
     r = run_one(sse([chunk(" a")], fail=True))
-    assert not r.ok and r.error.startswith("RemoteProtocolError")
+    assert not r.ok and r.error.startswith("ClientPayloadError")
     assert r.e2e is not None
 
 
@@ -138,11 +141,13 @@ def test_garbage_event_is_recorded():
 
 
 def test_unreachable_server_is_recorded():
-    def handler(request):
-        raise httpx.ConnectError("connection refused")
+    async def go():
+        async with aiohttp.ClientSession() as session:
+            url = f"http://127.0.0.1:{free_port()}/v1/completions"
+            return await stream_completion(session, url, {}, RequestRecord(3, 4))
 
-    r = run_one(handler)
-    assert not r.ok and r.error == "ConnectError: connection refused"
+    r = asyncio.run(go())
+    assert not r.ok and r.error.startswith("ClientConnectorError")
 
 
 def workload(n):
