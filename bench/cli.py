@@ -40,7 +40,7 @@ itl_ms, e2e_ms ({mean, p50, p90, p99} in ms), device ("cpu", "cuda", "sim:<profi
 without an engine timeline), overlap, device_idle_fraction, step_breakdown_ms (median ms per
 step of schedule, prepare_inputs, forward, sample, apply_result), timeline and samples
 (per-request latencies for CDF plots). A multi-tenant run (--tenants) adds `tenants`, one object
-per tenant: name, priority, weight, start_s, rate, input_len, output_len, num_requests,
+per tenant: name, priority, weight, start_s, again_s, rate, input_len, output_len, num_requests,
 completed, failed, ttft_ms, tokens_received, output_token_throughput (tok/s from its first send
 to its last token), first_send_s, last_token_s, window_tokens, window_share, weight_share and
 series ({t_s, tokens}: cumulative output tokens received, s after the run's start); and
@@ -85,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--tenants",
         metavar="SPEC",
         help="a multi-tenant run instead of --workload: NAME:n=N,in=LEN,out=LEN[,start=S]"
-        "[,rate=R][,priority=P][,weight=W] parts joined by ';' (LEN is N or LO-HI), or the "
+        "[,rate=R][,priority=P][,weight=W][,again=S+S] parts joined by ';' (LEN is N or LO-HI; "
+        "again: n more requests at each of those times), or the "
         "preset noisy-neighbor (A: 200 requests at once, out 16-256; B: 1 request 1 s later)",
     )
     wo.add_argument(

@@ -178,6 +178,7 @@ def _tenant_row(
         "priority": spec.priority,
         "weight": spec.weight,
         "start_s": spec.start_s,
+        "again_s": list(spec.again_s),
         "rate": None if np.isinf(spec.rate) else spec.rate,
         "input_len": str(spec.input_len),
         "output_len": str(spec.output_len),

@@ -77,8 +77,8 @@ async def run_load(
         t0 = time.perf_counter()
 
         async def one(i: int) -> RequestRecord:
-            delay = t0 + offsets[i] - time.perf_counter()
-            if delay > 0:
+            # uvloop's timers round to the millisecond: sleep again if one woke early
+            while (delay := t0 + offsets[i] - time.perf_counter()) > 0:
                 await asyncio.sleep(delay)
             req = requests[i]
             body = completion_payload(

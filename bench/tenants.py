@@ -7,7 +7,9 @@
 Keys: n (requests), in and out (tokens: N or LO-HI, drawn uniformly with the run's seed) are
 required; start (s after the run starts, default 0), rate (requests/s, Poisson; default all at
 once at start), priority (an int or interactive/default/batch; default: not sent) and weight
-(> 0, default 1; informational, the server decides weights) are optional.
+(> 0, default 1; informational, the server decides weights) and again (S or S+S+...: s after
+the run starts at which the tenant sends n more the same way, e.g. a tenant that leaves and comes
+back) are optional.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from gapless.bench.workloads import BenchRequest, Workload
 PRIORITIES = ("interactive", "default", "batch")
 NAME = re.compile(r"[A-Za-z0-9_.@-]{1,64}")
 REQUIRED = ("n", "in", "out")
-OPTIONAL = ("start", "rate", "priority", "weight")
+OPTIONAL = ("start", "rate", "priority", "weight", "again")
 EXAMPLE = "A:n=200,in=128,out=16-256,start=0;B:n=1,in=128,out=64,start=1"
 
 
@@ -56,6 +58,11 @@ class TenantSpec:
     rate: float = math.inf  # requests/s, Poisson from start_s; inf sends all at start_s
     priority: int | str | None = None  # sent as the `priority` field when set
     weight: float = 1.0  # the share the tenant should get, relative to the others
+    again_s: tuple[float, ...] = ()  # later send times (s after the run starts): n more at each
+
+    @property
+    def starts(self) -> tuple[float, ...]:
+        return (self.start_s, *self.again_s)
 
 
 NOISY_NEIGHBOR = (
@@ -159,6 +166,7 @@ def tenant_from_fields(name: str, fields: dict[str, Any]) -> TenantSpec:
         rate=field("rate", _rate, math.inf),
         priority=field("priority", _priority),
         weight=field("weight", _weight, 1.0),
+        again_s=field("again", _times, ()),
     )
 
 
@@ -201,6 +209,14 @@ def _seconds(value: Any) -> float:
     if not (math.isfinite(s) and s >= 0):
         raise ValueError("want seconds >= 0")
     return s
+
+
+def _times(value: Any) -> tuple[float, ...]:
+    """S or S+S+... (a list in JSON): seconds after the run starts."""
+    items = value.split("+") if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)):
+        items = [items]
+    return tuple(sorted(_seconds(v) for v in items))
 
 
 def _rate(value: Any) -> float:
@@ -246,14 +262,16 @@ def build_tenant_workload(
     rng = np.random.default_rng(seed)
     reqs: list[BenchRequest] = []
     for i, t in enumerate(specs):
-        ins, outs = t.input_len.draw(rng, t.num_requests), t.output_len.draw(rng, t.num_requests)
+        n = t.num_requests * len(t.starts)
+        ins, outs = t.input_len.draw(rng, n), t.output_len.draw(rng, n)
         if max_model_len is not None and t.input_len.high + t.output_len.high > max_model_len:
             raise ValueError(
                 f"tenant {t.name!r}: in + out can reach "
                 f"{t.input_len.high + t.output_len.high} tokens, over the server's "
                 f"max_model_len {max_model_len}"
             )
-        sends = t.start_s + arrival_offsets(t.num_requests, t.rate, seed + 1 + i)
+        offsets = arrival_offsets(t.num_requests, t.rate, seed + 1 + i)
+        sends = np.concatenate([start + offsets for start in t.starts])
         prompts = maker.make_many(ins, rng)
         reqs += [
             BenchRequest(p, n_in, n_out, tenant=t.name, priority=t.priority, arrival_s=float(a))

@@ -58,6 +58,7 @@ def test_preset_alone_and_with_more_tenants():
         ("A:n=2,in=8,out=4,weight=0", "weight='0': want a weight > 0"),
         ("A:n=2,in=8,out=4,priority=urgent", "priority='urgent': want an integer or one of"),
         ("A:n=2,in=8,out=4,n=3", "tenant 'A': n given twice"),
+        ("A:n=2,in=8,out=4,again=5+-1", "again='5+-1': want seconds >= 0"),
         ("A:n=2,in=8 out=4", "tenant 'A': 'in=8 out=4'"),
         ("A:n=2,in=8,out=4;A:n=1,in=8,out=4", "A given twice"),
         ("bad name:n=2,in=8,out=4", "tenant name 'bad name'"),
@@ -101,6 +102,16 @@ def test_tenant_workload(maker):
     assert sorted(r.arrival_s for r in b) == [r.arrival_s for r in b] and b[-1].arrival_s > 0.5
     with pytest.raises(ValueError, match="tenant 'A': in \\+ out can reach 21"):
         build_tenant_workload(specs, maker, seed=3, max_model_len=20)
+
+
+def test_a_tenant_that_comes_back(maker, tmp_path):
+    (r,) = parse_tenants("R:n=3,in=8,out=4,start=1,again=20+10")
+    assert r.starts == (1.0, 10.0, 20.0)
+    w = build_tenant_workload((r,), maker, seed=0)
+    assert [q.arrival_s for q in w.requests] == [1.0] * 3 + [10.0] * 3 + [20.0] * 3
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps([{"name": "R", "n": 2, "in": 8, "out": 4, "again": [7, 3]}]))
+    assert read_tenants_file(path)[0].again_s == (3.0, 7.0)
 
 
 @pytest.mark.parametrize(
@@ -176,7 +187,7 @@ def test_tenant_run_against_two_fake_servers(default_gguf, tmp_path, capsys):
 
 
 TENANT_KEYS = {
-    "name", "priority", "weight", "start_s", "rate", "input_len", "output_len", "num_requests",
+    "name", "priority", "weight", "start_s", "again_s", "rate", "input_len", "output_len", "num_requests",
     "completed", "failed", "ttft_ms", "tokens_received", "output_token_throughput",
     "first_send_s", "last_token_s", "window_tokens", "window_share", "weight_share", "series",
 }  # fmt: skip
