@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from gapless.bench.cli import main
@@ -45,6 +46,55 @@ def test_noisy_neighbor_over_http(servers, tmp_path):
     assert a["fair"] >= 0.9 * a["fcfs"], "fairness costs the heavy tenant little throughput"
 
 
+def tokens_between(row: dict, start: float, end: float) -> float:
+    """Tokens the tenant received between two times (s after the run's start)."""
+    t, tokens = row["series"]["t_s"], row["series"]["tokens"]
+    return float(np.interp(end, t, tokens) - np.interp(start, t, tokens))
+
+
+def test_equal_tenants_over_http(servers, tmp_path):
+    # 200 requests each, not 50: with 64 seats a tenant's 50 all get one at once, and no tenant
+    # would still be waiting when the fourth arrives
+    spec = ";".join(f"T{i + 1}:n=200,in=128,out=64-192,start={i}" for i in range(4))
+    run = bench({"fair": servers["fair"]}, spec, tmp_path / "eq.json")["fair"]
+    fairness = run["fairness"]
+    shares = {t["name"]: round(t["window_share"], 3) for t in run["tenants"]}
+    print(f"equal tenants over HTTP (sim): Jain {fairness['jain_index']:.4f} over "
+          f"{fairness['window_s']:.1f} s all four backlogged, shares {shares}")  # fmt: skip
+    assert fairness["window_s"] > 2.0, "a window long enough to mean something"
+    assert fairness["jain_index"] >= 0.99, shares
+
+
+def test_a_returning_tenant_over_http(servers, tmp_path):
+    # S stays backlogged throughout; R is backlogged for about 13 s, away for about 10 s, and
+    # comes back at 23 s with a backlog that lasts past 33 s
+    back = 23.0
+    spec = f"S:n=800,in=128,out=256;R:n=200,in=128,out=256,again={back:g}"
+    run = bench({"fair": servers["fair"]}, spec, tmp_path / "back.json")["fair"]
+    s, r = (tenant(run, name) for name in ("S", "R"))
+    before = [t for t in r["series"]["t_s"] if t < back]
+    assert back - max(before) >= 8.0, "R was away for a while before it came back"
+    assert min(s["last_token_s"], r["last_token_s"]) > back + 10.5, "both backlogged after"
+    got_r, got_s = tokens_between(r, back, back + 10), tokens_between(s, back, back + 10)
+    share = got_r / (got_r + got_s)
+    print(f"returning tenant over HTTP (sim): away {back - max(before):.1f} s, then "
+          f"{share:.3f} of the tokens in the 10 s after it came back "
+          f"({got_r:.0f} vs {got_s:.0f})")  # fmt: skip
+    assert share <= 0.55, (got_r, got_s)
+
+
+def test_alone_over_http(servers, tmp_path):
+    runs = bench(servers, "A:n=300,in=128,out=16-256", tmp_path / "alone.json")
+    tput = {p: tenant(runs[p], "A")["output_token_throughput"] for p in ("fcfs", "fair")}
+    busy = {p: runs[p]["timeline"]["busy_s"] for p in ("fcfs", "fair")}
+    print(f"alone over HTTP (sim): fair/fcfs throughput {tput['fair'] / tput['fcfs']:.3f} "
+          f"({tput}), sim device busy s {busy}")  # fmt: skip
+    assert all(tenant(runs[p], "A")["completed"] == 300 for p in runs)
+    # the device's own time (sim) does not depend on how loaded the host is; the client-side
+    # throughput does, so it is printed and reported, not asserted
+    assert busy["fair"] <= 1.05 * busy["fcfs"], busy
+
+
 def test_interactive_over_a_batch_backlog_over_http(servers, tmp_path):
     fair = {"fair": servers["fair"]}
     alone = bench(fair, "V:n=1,in=128,out=16,priority=interactive", tmp_path / "idle.json")
@@ -55,8 +105,8 @@ def test_interactive_over_a_batch_backlog_over_http(servers, tmp_path):
     print(f"priority over HTTP (sim): interactive TTFT ms behind a batch backlog {ttft}, "
           f"idle {idle:.1f} ({ttft['fair'] / idle:.1f}x idle under fair)")  # fmt: skip
     # the batch backlog holds every seat: fcfs makes the interactive request wait for ~136 of
-    # them; fair preempts one at once. (Its TTFT vs idle also carries the host's load: 64
-    # streams and the load generator share two cores; see the closing note.)
+    # them; fair preempts one at once
     assert ttft["fair"] <= 0.1 * ttft["fcfs"], ttft
+    assert ttft["fair"] <= 3 * idle, (ttft, idle)
     for p in ("fcfs", "fair"):
         assert tenant(busy[p], "Bt")["completed"] == 200, "batch work loses nothing"
