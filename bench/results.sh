@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Rebuilds bench/results/*.json and bench/results/*.png, the numbers in bench/RESULTS.md.
-# Usage: bash bench/results.sh [sim|cpu|tenants|all]   (run from the repository root, after `make setup`)
+# Usage: bash bench/results.sh [sim|cpu|tenants|tenants-sim|all]   (run from the repository root, after `make setup`)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 G=.venv/bin/gapless
@@ -48,12 +48,25 @@ tenants_run() {  # device policy name spec [serve args...]: one multi-tenant run
 EQUAL="T1:n=200,in=128,out=128;T2:n=200,in=128,out=128,start=1"
 EQUAL="$EQUAL;T3:n=200,in=128,out=128,start=2;T4:n=200,in=128,out=128,start=3"
 WEIGHTED="H:n=300,in=128,out=128,weight=2;L:n=300,in=128,out=128"
+RETURNING="S:n=800,in=128,out=256;R:n=200,in=128,out=256,again=23"
+ALONE="A:n=300,in=128,out=16-256"
+BACKLOG="Bt:n=200,in=128,out=256,priority=batch;V:n=1,in=128,out=16,start=1,priority=interactive"
+IDLE="V:n=1,in=128,out=16,priority=interactive"
 
-if [ "$what" = tenants ] || [ "$what" = all ]; then
+if [ "$what" = tenants ] || [ "$what" = tenants-sim ] || [ "$what" = all ]; then
   for policy in fcfs fair; do
     tenants_run sim "$policy" noisy-neighbor noisy-neighbor
     tenants_run sim "$policy" equal "$EQUAL"
     tenants_run sim "$policy" weighted "$WEIGHTED" --tenant-weight H=2
+    tenants_run sim "$policy" returning "$RETURNING"
+    tenants_run sim "$policy" alone "$ALONE"
+    tenants_run sim "$policy" priority "$BACKLOG"
+  done
+  tenants_run sim fair priority-idle "$IDLE"
+fi
+
+if [ "$what" = tenants ] || [ "$what" = all ]; then
+  for policy in fcfs fair; do
     tenants_run cpu "$policy" noisy-neighbor noisy-neighbor --max-num-batched-tokens 2048
   done
 fi
