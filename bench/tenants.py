@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -277,4 +278,14 @@ def build_tenant_workload(
             BenchRequest(p, n_in, n_out, tenant=t.name, priority=t.priority, arrival_s=float(a))
             for p, n_in, n_out, a in zip(prompts, ins, outs, sends, strict=True)
         ]
-    return Workload(workload_name(specs), tuple(reqs), synthetic=True, tenants=specs)
+    # requests due at the same time go out one tenant after another, not tenant by tenant:
+    # two tenants that burst together should not reach the server as one queue and then another
+    seen: Counter[tuple[str | None, float | None]] = Counter()
+    rank = []  # how many of its tenant's requests are due at the same time before it
+    for r in reqs:
+        rank.append(seen[r.tenant, r.arrival_s])
+        seen[r.tenant, r.arrival_s] += 1
+    order = sorted(range(len(reqs)), key=lambda i: (reqs[i].arrival_s, rank[i]))
+    return Workload(
+        workload_name(specs), tuple(reqs[i] for i in order), synthetic=True, tenants=specs
+    )

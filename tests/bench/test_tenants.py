@@ -104,6 +104,12 @@ def test_tenant_workload(maker):
         build_tenant_workload(specs, maker, seed=3, max_model_len=20)
 
 
+def test_tenants_due_together_go_out_interleaved(maker):
+    specs = parse_tenants("A:n=3,in=8,out=4;B:n=2,in=8,out=4;C:n=1,in=8,out=4,start=0.5")
+    w = build_tenant_workload(specs, maker, seed=0)
+    assert [r.tenant for r in w.requests] == ["A", "B", "A", "B", "A", "C"]
+
+
 def test_a_tenant_that_comes_back(maker, tmp_path):
     (r,) = parse_tenants("R:n=3,in=8,out=4,start=1,again=20+10")
     assert r.starts == (1.0, 10.0, 20.0)

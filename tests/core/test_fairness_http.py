@@ -31,7 +31,9 @@ def tenant(run: dict, name: str) -> dict:
 @pytest.fixture(scope="module")
 def servers(default_gguf):
     common = ("--model", str(default_gguf), "--device", "sim", "--sim-profile", "h100-llama3-8b")
-    started = {p: Server(*common, "--scheduling-policy", p) for p in ("fcfs", "fair")}
+    # tenant H weighs 2 (test_weights_over_http); the other tests' tenants weigh 1
+    weights = {"fcfs": (), "fair": ("--tenant-weight", "H=2")}
+    started = {p: Server(*common, "--scheduling-policy", p, *weights[p]) for p in weights}
     yield started
     for s in started.values():
         s.stop()
@@ -63,6 +65,16 @@ def test_equal_tenants_over_http(servers, tmp_path):
           f"{fairness['window_s']:.1f} s all four backlogged, shares {shares}")  # fmt: skip
     assert fairness["window_s"] > 2.0, "a window long enough to mean something"
     assert fairness["jain_index"] >= 0.99, shares
+
+
+def test_weights_over_http(servers, tmp_path):
+    spec = "H:n=400,in=128,out=64-192,weight=2;L:n=400,in=128,out=64-192"
+    run = bench({"fair": servers["fair"]}, spec, tmp_path / "w.json")["fair"]
+    h, low = tenant(run, "H")["window_tokens"], tenant(run, "L")["window_tokens"]
+    print(f"weights 2:1 over HTTP (sim): {h / low:.3f}:1 ({h:.0f} vs {low:.0f} tokens in "
+          f"{run['fairness']['window_s']:.1f} s both backlogged)")  # fmt: skip
+    assert run["fairness"]["window_s"] > 2.0
+    assert 1.9 <= h / low <= 2.1, (h, low)
 
 
 def test_a_returning_tenant_over_http(servers, tmp_path):
