@@ -47,11 +47,11 @@ tenants_run() {  # device policy name spec [serve args...]: one multi-tenant run
 }
 EQUAL="T1:n=200,in=128,out=128;T2:n=200,in=128,out=128,start=1"
 EQUAL="$EQUAL;T3:n=200,in=128,out=128,start=2;T4:n=200,in=128,out=128,start=3"
-WEIGHTED="H:n=300,in=128,out=128,weight=2;L:n=300,in=128,out=128"
+WEIGHTED="H:n=400,in=128,out=64-192,weight=2;L:n=400,in=128,out=64-192"
 RETURNING="S:n=800,in=128,out=256;R:n=200,in=128,out=256,again=23"
 ALONE="A:n=300,in=128,out=16-256"
-BACKLOG="Bt:n=200,in=128,out=256,priority=batch;V:n=1,in=128,out=16,start=1,priority=interactive"
-IDLE="V:n=1,in=128,out=16,priority=interactive"
+BACKLOG="Bt:n=200,in=128,out=256,priority=batch;V:n=5,in=128,out=16,start=1,rate=4,priority=interactive"
+IDLE="V:n=5,in=128,out=16,rate=4,priority=interactive"
 
 if [ "$what" = tenants ] || [ "$what" = tenants-sim ] || [ "$what" = all ]; then
   for policy in fcfs fair; do
