@@ -84,7 +84,7 @@ class SimBackend:
             return SimStep(plan.seq, none, none, received, received, received, received, received)
         num_tokens, num_prefill, total_context, attended, sample_slots = self._prepare(plan)
         token_ids = self.vocab[self.rng.integers(0, len(self.vocab), len(sample_slots))]
-        t_step = step_time(
+        t_step = self.config.sim_time_scale * step_time(
             self.profile, num_tokens, len(plan.slots), total_context, num_prefill, attended
         )
         launched = time.perf_counter()

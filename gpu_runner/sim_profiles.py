@@ -26,12 +26,21 @@ TB = 10**12
 
 
 def llama_params(
-    vocab: int, hidden: int, layers: int, heads: int, kv_heads: int, head_dim: int, ffn: int
+    vocab: int,
+    hidden: int,
+    layers: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    ffn: int,
+    tied: bool = False,
 ) -> int:
-    """Parameters of a Llama decoder with untied embeddings (norm weights included)."""
+    """Parameters of a Llama decoder (norm weights included); `tied`: the LM head is the
+    embedding table."""
     attn = hidden * head_dim * (2 * heads + 2 * kv_heads)  # q, o: heads; k, v: kv_heads
     mlp = 3 * hidden * ffn  # gate, up, down
-    return 2 * vocab * hidden + layers * (attn + mlp + 2 * hidden) + hidden
+    embeddings = (1 if tied else 2) * vocab * hidden
+    return embeddings + layers * (attn + mlp + 2 * hidden) + hidden
 
 
 @dataclass(frozen=True)
@@ -95,11 +104,14 @@ _A100 = dict(
 _LLAMA_1_3B = (32000, 2048, 24, 16, 16, 128, 5504)  # princeton-nlp/Sheared-LLaMA-1.3B
 _LLAMA3_8B = (128256, 4096, 32, 32, 8, 128, 14336)  # meta-llama/Meta-Llama-3-8B
 _LLAMA3_70B = (128256, 8192, 80, 64, 8, 128, 28672)  # meta-llama/Meta-Llama-3-70B
+_LLAMA3_2_1B = (128256, 2048, 16, 32, 8, 64, 8192)  # meta-llama/Llama-3.2-1B, tied embeddings
 
 
-def _model(shape: tuple[int, ...], weight_dtype_bytes: float, kv_dtype_bytes: int) -> dict:
+def _model(
+    shape: tuple[int, ...], weight_dtype_bytes: float, kv_dtype_bytes: int, tied: bool = False
+) -> dict:
     vocab, hidden, layers, heads, kv_heads, head_dim, ffn = shape
-    params = llama_params(vocab, hidden, layers, heads, kv_heads, head_dim, ffn)
+    params = llama_params(vocab, hidden, layers, heads, kv_heads, head_dim, ffn, tied)
     return dict(
         num_params=params,
         num_layers=layers,
@@ -138,6 +150,12 @@ PROFILES: dict[str, SimProfile] = {
             description="H100 SXM 80GB, Llama-3-8B, bf16 weights and KV cache",
             **_H100,
             **_model(_LLAMA3_8B, 2, 2),
+        ),
+        SimProfile(
+            name="h100-llama3.2-1b",
+            description="H100 SXM 80GB, Llama-3.2-1B (tied embeddings), bf16: ~1 ms decode steps",
+            **_H100,
+            **_model(_LLAMA3_2_1B, 2, 2, tied=True),
         ),
         SimProfile(
             name="h100-llama3-8b-fp8",

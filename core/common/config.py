@@ -167,6 +167,15 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             extra={"choices": "sim_profiles"},
         ),
     ] = "h100-llama3-8b"
+    sim_time_scale: Annotated[
+        float,
+        msgspec.Meta(
+            description="multiply every modelled step time of --device sim by this (e.g. 0.5 "
+            "for a device twice as fast), to find the shortest step the host keeps fed",
+            gt=0,
+            le=100,
+        ),
+    ] = 1.0
     cuda_graph: Annotated[
         bool,
         msgspec.Meta(

@@ -46,6 +46,7 @@ FLAGS = {
     "--threads": str(default_threads()),
     "--seed": "0",
     "--sim-profile": "h100-llama3-8b",
+    "--sim-time-scale": "1.0",
     "--no-cuda-graph": "cuda graph on",
     "--trace-file": None,
     "--host": "127.0.0.1",

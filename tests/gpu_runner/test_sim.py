@@ -58,6 +58,25 @@ def test_h100_decode_step_at_moderate_batch():
     assert cost.memory_s > 3 * cost.compute_s
 
 
+def test_the_short_step_profile():
+    # Llama-3.2-1B ties its LM head to the embeddings: 1.24 B parameters, 2.47 GB in bf16;
+    # a single decode reads them in about a millisecond on H100 (sim)
+    p = get_profile("h100-llama3.2-1b")
+    assert p.num_params == pytest.approx(1.236e9, rel=1e-3)
+    assert decode_time("h100-llama3.2-1b", 1, 1024) == pytest.approx(1.0e-3, rel=0.1)
+    assert decode_time("h100-llama3.2-1b", 128, 1152) < decode_time("h100-llama3-8b", 128, 1152) / 3
+
+
+def test_time_scale_multiplies_the_device_time(config):
+    plans = Planner(config.block_size), Planner(config.block_size)
+    times = []
+    for scale, p in zip((1.0, 0.25), plans, strict=True):
+        sim = SimBackend(msgspec.structs.replace(config, sim_time_scale=scale))
+        h = sim.launch(p.plan([(0, 20, 0, True)], [new_slot(0)]))
+        times.append(sim.collect(h).timing.forward_s)
+    assert times[1] == pytest.approx(0.25 * times[0], rel=1e-9)
+
+
 def test_small_model_decodes_much_faster():
     small = decode_time("a100-llama-1.3b", 8, 1024)
     large = decode_time("a100-llama3-8b", 8, 1024)
