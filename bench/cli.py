@@ -5,6 +5,7 @@ bench --launch --workload sharegpt -- --model ./my-model --max-num-seqs 128
 bench --target gapless=http://a:8000 --target other=http://b:8080 --output-json r.json
 bench --launch --tenants noisy-neighbor --plot-dir figs -- --device sim
 bench plot --from a.json b.json --plot-dir figs
+bench host-floor --batches 64,256 --plot-dir figs   (the shortest sim step the host keeps fed)
 """
 
 from __future__ import annotations
@@ -184,6 +185,11 @@ def _interrupt(signum: int, frame: Any) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["host-floor"]:
+        from gapless.bench.host_floor import main as host_floor_main
+
+        host_floor_main(argv[1:])
+        return
     if argv[:1] == ["plot"]:
         args = build_plot_parser().parse_args(argv[1:])
         from gapless.bench.figures import plot_saved
