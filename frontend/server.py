@@ -22,6 +22,7 @@ from gapless.frontend import metrics
 from gapless.frontend.admission import Admission
 from gapless.frontend.app import App
 from gapless.frontend.engine_client import ZmqEngineClient
+from gapless.frontend.http import head_limited
 from gapless.frontend.prompts import Prompter
 from gapless.frontend.state import FrontendState
 
@@ -86,7 +87,7 @@ async def serve(
         uvicorn.Config(
             app,
             loop="uvloop",
-            http="httptools",
+            http=head_limited(config.max_head_bytes),
             lifespan="off",
             timeout_graceful_shutdown=config.drain_timeout_s,  # type: ignore[arg-type]
             log_level="warning",

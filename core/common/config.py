@@ -202,6 +202,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         int, msgspec.Meta(description="most alternative logprobs per token a request may ask for")
     ] = 20
     max_body_bytes: Annotated[int, NOT_A_FLAG] = 4 * 2**20
+    max_head_bytes: Annotated[int, NOT_A_FLAG] = 64 * 2**10  # request line + headers; 431 past it
     max_stop_strings: Annotated[int, NOT_A_FLAG] = 16
     chat_template_timeout_s: Annotated[float, NOT_A_FLAG] = 2.0
     # lifecycle
