@@ -51,6 +51,31 @@ def stage_histogram(registry: CollectorRegistry | None) -> Histogram:
     )
 
 
+_bad_frames: Counter | None = None
+
+
+def write_to(metrics_dir: str) -> None:
+    """Make this process's series from now on files in metrics_dir, as a child's are (for the
+    supervisor, which imported prometheus_client before its run directory existed)."""
+    from prometheus_client import values
+
+    os.environ[MULTIPROC_ENV] = metrics_dir
+    values.ValueClass = values.get_value_class()
+
+
+def bad_frames_counter() -> Counter:
+    """`gapless_bad_frames_total{socket}`: frames an internal socket dropped as malformed. One
+    per process, in the default registry (multiprocess under `gapless serve`)."""
+    global _bad_frames
+    if _bad_frames is None:
+        _bad_frames = Counter(
+            "gapless_bad_frames",
+            "Frames an internal socket dropped because they were not a message of its channel",
+            ["socket"],
+        )
+    return _bad_frames
+
+
 def render(registry: CollectorRegistry | None = None) -> bytes:
     """The text exposition: every process's files when multiprocess, else `registry`."""
     if registry is None:

@@ -20,6 +20,7 @@ from gapless import shm
 from gapless.core.common.channel import Receiver, Sender
 from gapless.core.common.config import CONFIG_ENV, EngineConfig, encode_config
 from gapless.core.common.messages import ControlMessage, EngineDead, Fatal, Ready, Shutdown
+from gapless.core.common import metrics
 from gapless.core.common.metrics import MULTIPROC_ENV
 from gapless.core.common.process import CONTROL, CORE_IN, DETOK_IN, RUNNER_IN, frontend_socket
 from gapless.shm.names import pid_alive
@@ -53,15 +54,16 @@ class EngineFailed(Exception):
 class Supervisor:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        # every process writes its Prometheus series here; removed with the run directory
+        self.metrics_dir = os.path.join(config.run_dir, "metrics")
+        os.makedirs(self.metrics_dir, mode=0o700, exist_ok=True)
+        metrics.write_to(self.metrics_dir)  # the control socket's bad-frame count, say
         self.ctx = zmq.Context()
         self.control: Receiver[ControlMessage] = Receiver(
             self.ctx, config.ipc(CONTROL), ControlMessage
         )
         self.procs: dict[str, subprocess.Popen] = {}
         self.stopping = False
-        # every child writes its Prometheus series here; removed with the run directory
-        self.metrics_dir = os.path.join(config.run_dir, "metrics")
-        os.makedirs(self.metrics_dir, mode=0o700, exist_ok=True)
 
     def spawn(self, role: str, *args: str) -> None:
         env = dict(
