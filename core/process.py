@@ -9,9 +9,11 @@ import zmq
 from gapless.core.common.channel import Receiver, Sender
 from gapless.core.common.config import EngineConfig
 from gapless.core.common.messages import (
+    HEARTBEAT_INTERVAL_S,
     CoreInput,
     DetokInput,
     FrontendInput,
+    Heartbeat,
     RunnerError,
     RunnerInput,
     RunnerOutput,
@@ -59,7 +61,13 @@ class CoreProcess:
         poller.register(self.inbox.socket, zmq.POLLIN)
         poller.register(self.results.socket, zmq.POLLIN)
         result: StepResult | None = None
+        beat_at = 0.0  # time.monotonic() of the last Heartbeat
         while not core.shutdown and not stop_requested():
+            now = time.monotonic()
+            if now - beat_at >= HEARTBEAT_INTERVAL_S:
+                beat_at = now
+                for frontend in self.frontends:
+                    frontend.send(Heartbeat())
             # 1. drain inputs without blocking
             for msg in self.inbox.drain():
                 core.handle(msg)

@@ -13,7 +13,7 @@ import msgspec
 from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4
 
 from gapless.core.common import metrics as core_metrics
-from gapless.core.common.messages import KEEP_STEPS
+from gapless.core.common.messages import HEARTBEAT_TIMEOUT_S, KEEP_STEPS
 from gapless.frontend import metrics
 from gapless.frontend.asgi import ClientGone, HttpRequest, Receive, Responder, Scope, Send, encoder
 from gapless.frontend.chat import handle_chat
@@ -112,8 +112,12 @@ class App:
 
     async def _health(self, req: HttpRequest, out: Responder, caller: Caller) -> None:
         engine = self.state.engine
+        silent_s = engine.core_silent_s()
         if not engine.healthy:
             await out.json(503, Health("dead", engine.dead_reason))
+        elif silent_s > HEARTBEAT_TIMEOUT_S:
+            reason = f"the engine core has not answered for {silent_s:.1f} s"
+            await out.json(503, Health("unresponsive", reason))
         elif self.state.admission.draining:
             await out.json(503, Health("draining", "shutting down; in-flight requests finish"))
         else:

@@ -26,6 +26,7 @@ from gapless.core.common.messages import (
     FrontendInput,
     GetStats,
     GetTimeline,
+    Heartbeat,
     QueueState,
     SamplingParams,
     TextDelta,
@@ -44,6 +45,11 @@ class EngineDeadError(Exception):
     """The engine is gone; every in-flight and later request fails with this."""
 
 
+class StreamCut(Exception):
+    """The frontend ended the request itself before the engine did (the drain ran out of
+    time); the message says why. Its choices still running are aborted in the engine."""
+
+
 class EngineClient:
     """Request bookkeeping over a `send` callable; `dispatch` is fed every FrontendInput.
 
@@ -56,7 +62,8 @@ class EngineClient:
         self.healthy = True
         self.dead_reason = ""
         self._send = send
-        # engine id -> queue of (delta, perf_counter when its TextDeltas arrived) or _DEAD
+        # engine id -> queue of (delta, perf_counter when its TextDeltas arrived), _DEAD or
+        # a StreamCut
         self._queues: dict[str, asyncio.Queue[tuple[TextDelta, float] | object]] = {}
         self._counter = itertools.count()
         self._replies: dict[int, asyncio.Future] = {}  # token -> answer of the core
@@ -64,9 +71,14 @@ class EngineClient:
         # perf_counter when the delta generate_n yielded last reached this frontend; valid until
         # the consumer's next await
         self.last_received = 0.0
+        self.last_heartbeat = time.monotonic()  # of the core; it was READY before we started
 
     def next_request_id(self) -> str:
         return f"{self.frontend_id}-{next(self._counter)}"
+
+    def core_silent_s(self) -> float:
+        """Seconds since the core's last heartbeat."""
+        return time.monotonic() - self.last_heartbeat
 
     def on_dead(self, callback: Callable[[str], None]) -> None:
         self._on_dead.append(callback)
@@ -85,12 +97,25 @@ class EngineClient:
                         queue.put_nowait((delta, received))
             case QueueState():
                 self.queue.update(msg)
+            case Heartbeat():
+                self.last_heartbeat = time.monotonic()
             case EngineDead(reason=reason):
                 self._mark_dead(reason)
             case EngineStats(token=token) | Timeline(token=token):
                 waiter = self._replies.pop(token, None)
                 if waiter is not None and not waiter.done():
                     waiter.set_result(msg)
+
+    def cut_all(self, reason: str) -> int:
+        """End every request in flight here with StreamCut(reason); returns how many."""
+        queues = {id(q): q for q in self._queues.values()}.values()
+        for queue in queues:
+            queue.put_nowait(StreamCut(reason))
+        return len(queues)
+
+    def mark_dead(self, reason: str) -> None:
+        """The engine is gone: every request in flight and every later one fails."""
+        self._mark_dead(reason)
 
     def _mark_dead(self, reason: str) -> None:
         if not self.healthy:
@@ -157,6 +182,8 @@ class EngineClient:
                 item = await queue.get()
                 if item is _DEAD:
                     raise EngineDeadError(self.dead_reason)
+                if isinstance(item, StreamCut):
+                    raise item
                 assert isinstance(item, tuple)
                 delta, self.last_received = item
                 if delta.finish_reason is not None:

@@ -15,7 +15,7 @@ from gapless.core.common.messages import SamplingParams, TextDelta, TokenLogprob
 from gapless.frontend import metrics
 from gapless.frontend.admission import Admission
 from gapless.frontend.asgi import ClientGone, HttpRequest, Responder, unless_disconnected
-from gapless.frontend.engine_client import EngineDeadError
+from gapless.frontend.engine_client import EngineDeadError, StreamCut
 from gapless.frontend.errors import ApiError, engine_unavailable
 from gapless.frontend.queue_view import Ticket
 from gapless.frontend.responses import Usage
@@ -70,6 +70,10 @@ def failure(delta: TextDelta, admission: Admission) -> ApiError | None:
     if delta.finish_reason == "abort":
         return ApiError(503, "the engine aborted this request", code="request_aborted")
     return None
+
+
+def cut_error(cut: StreamCut) -> ApiError:
+    return ApiError(503, str(cut), code="drain_timeout")
 
 
 def usage_of(job: Job, num_output_tokens: list[int]) -> Usage:
@@ -138,19 +142,34 @@ async def stream(
     with the first delta, so a failure before it still gets a proper HTTP status."""
     opened = [False] * len(job.params)
     outputs = [0] * len(job.params)
+    ended = [False] * len(job.params)
     observer = metrics.observer
     engine = state.engine
-    async with aclosing(_deltas(state, job)) as deltas:
-        async for index, delta in deltas:
-            received = engine.last_received  # read before the first await below
-            if not opened[index]:
-                opened[index] = True
-                opening = fmt.opening(index)
-                if opening is not None:
-                    await out.event(opening)
-            outputs[index] = delta.num_output_tokens
-            await out.event(fmt.delta(index, delta))
-            observer.streamed(time.perf_counter() - received)
+    try:
+        async with aclosing(_deltas(state, job)) as deltas:
+            async for index, delta in deltas:
+                received = engine.last_received  # read before the first await below
+                if not opened[index]:
+                    opened[index] = True
+                    opening = fmt.opening(index)
+                    if opening is not None:
+                        await out.event(opening)
+                outputs[index] = delta.num_output_tokens
+                ended[index] = delta.finish_reason is not None
+                await out.event(fmt.delta(index, delta))
+                observer.streamed(time.perf_counter() - received)
+    except StreamCut as cut:
+        # every choice still running gets its last chunk (finish_reason "abort"), then the
+        # stream ends with the error event and [DONE]
+        for index, done in enumerate(ended):
+            if done:
+                continue
+            if not opened[index] and (opening := fmt.opening(index)) is not None:
+                await out.event(opening)
+            rid = f"{job.request_id}-{index}"
+            last = TextDelta(rid, "", [], len(job.prompt_ids), outputs[index], "abort")
+            await out.event(fmt.delta(index, last))
+        raise cut_error(cut) from None
     if include_usage:
         await out.event(fmt.usage(usage_of(job, outputs)))
     await out.done()
@@ -173,6 +192,8 @@ async def respond(
             await unless_disconnected(req.receive, stream(state, job, out, fmt, include_usage))
             return
         choices = await unless_disconnected(req.receive, collect(state, job))
+    except StreamCut as cut:
+        raise cut_error(cut) from None
     except ClientGone:
         metrics.observer.aborted(job.endpoint)
         raise

@@ -17,10 +17,10 @@ import msgspec
 import zmq
 
 from gapless import shm
+from gapless.core.common import metrics
 from gapless.core.common.channel import Receiver, Sender
 from gapless.core.common.config import CONFIG_ENV, EngineConfig, encode_config
 from gapless.core.common.messages import ControlMessage, EngineDead, Fatal, Ready, Shutdown
-from gapless.core.common import metrics
 from gapless.core.common.metrics import MULTIPROC_ENV
 from gapless.core.common.process import CONTROL, CORE_IN, DETOK_IN, RUNNER_IN, frontend_socket
 from gapless.shm.names import pid_alive

@@ -6,7 +6,7 @@ import ctypes
 import os
 import sys
 
-from gapless.core.common.process import child_setup
+from gapless.core.common.process import child_setup, parent_gone, remove_run
 
 
 def _set_name(name: str) -> None:
@@ -25,6 +25,14 @@ def main(argv: list[str]) -> None:
     config = child_setup(role)
     if NICE.get(role):
         os.nice(NICE[role])
+    try:
+        _run(role, config, argv)
+    finally:
+        if parent_gone():  # the supervisor died (SIGKILL, say): nobody else cleans up
+            remove_run(config)
+
+
+def _run(role: str, config, argv: list[str]) -> None:
     if role == "core":
         from gapless.core.process import run_core
 
