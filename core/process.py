@@ -77,7 +77,8 @@ class CoreProcess:
             # 3. wait for the oldest step's result, or for input while idle
             events = dict(poller.poll(IDLE_POLL_MS))
             if self.results.socket in events:
-                match self.results.recv():
+                # timeout 0: a stray frame was dropped, and nothing else may have come
+                match self.results.recv(timeout_ms=0):
                     case StepResult() as result:
                         pass
                     case RunnerError(message=message):
