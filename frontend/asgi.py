@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
@@ -25,6 +26,8 @@ _SSE = [
     (b"x-accel-buffering", b"no"),
 ]
 _DONE = b"data: [DONE]\n\n"
+_KEEPALIVE = b": keep-alive\n\n"
+WATCH_TICK_S = 0.5  # how often a stream's writes are looked at
 
 
 class HttpRequest:
@@ -67,6 +70,14 @@ class ClientGone(Exception):
     """The client disconnected; nothing more can be sent."""
 
 
+class SlowReader(Exception):
+    """The client stopped reading its stream (`reason`: "buffer" or "write_timeout")."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
 class Responder:
     """Sends one response: a JSON body, or an SSE stream started on its first event."""
 
@@ -75,6 +86,9 @@ class Responder:
         self.started = False
         self.streaming = False
         self.finished = False
+        # time.monotonic() when the SSE write in progress began (None: none is); a write
+        # waits while the client does not read (uvicorn's flow control)
+        self.writing_since: float | None = None
 
     async def json(
         self, status: int, body: Any, headers: Sequence[tuple[bytes, bytes]] = ()
@@ -96,12 +110,19 @@ class Responder:
 
     async def event(self, payload: bytes) -> None:
         """One SSE `data:` event holding already encoded JSON."""
+        await self._stream_write(b"data: " + payload + b"\n\n")
+
+    async def comment(self) -> None:
+        """An SSE comment, which clients ignore: it keeps proxies from cutting a quiet stream."""
+        await self._stream_write(_KEEPALIVE)
+
+    async def _stream_write(self, data: bytes) -> None:
+        self.writing_since = time.monotonic()
         if not self.started:
             self.started = self.streaming = True
             await self._send({"type": "http.response.start", "status": 200, "headers": _SSE})
-        await self._send(
-            {"type": "http.response.body", "body": b"data: " + payload + b"\n\n", "more_body": True}
-        )
+        await self._send({"type": "http.response.body", "body": data, "more_body": True})
+        self.writing_since = None
 
     async def done(self) -> None:
         """`data: [DONE]` and the end of the stream."""
@@ -127,17 +148,39 @@ async def until_disconnect(receive: Receive) -> None:
         pass
 
 
-async def unless_disconnected(receive: Receive, work: Coroutine[Any, Any, T]) -> T:
-    """Runs `work`, cancelling it when the client disconnects first (raises ClientGone)."""
+async def unless_disconnected(
+    receive: Receive,
+    work: Coroutine[Any, Any, T],
+    out: Responder | None = None,
+    write_timeout_s: float | None = None,
+) -> T:
+    """Runs `work`, cancelling it when the client disconnects first (raises ClientGone), or,
+    given `out` and `write_timeout_s`, when one of out's SSE writes has waited that long for
+    the client to read (raises SlowReader)."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(until_disconnect(receive))
+    stuck = False
+    tick = None if write_timeout_s is None else min(WATCH_TICK_S, write_timeout_s)
     try:
-        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+        while True:
+            done, _ = await asyncio.wait(
+                (task, watcher), timeout=tick, return_when=asyncio.FIRST_COMPLETED
+            )
+            if done:
+                break
+            since = out.writing_since if out is not None else None
+            if since is not None and time.monotonic() - since > write_timeout_s:  # type: ignore[operator]
+                stuck = True
+                break
     finally:
         if not task.done():
             task.cancel()
         watcher.cancel()
         await asyncio.gather(task, watcher, return_exceptions=True)
+    if stuck:
+        raise SlowReader(
+            "write_timeout", f"the client read nothing of its stream for {write_timeout_s:g} s"
+        )
     if task.cancelled():
         raise ClientGone
     return task.result()

@@ -34,11 +34,13 @@ from gapless.core.common.messages import (
     Timeline,
 )
 from gapless.core.common.process import CORE_IN, frontend_socket
+from gapless.frontend import metrics
 from gapless.frontend.queue_view import QueueView, Ticket
 
 log = logging.getLogger("gapless.frontend")
 
 _DEAD = object()  # queue sentinel: the engine died while the request was in flight
+_IDLE = object()  # queue sentinel: keepalive_s passed without a delta
 
 
 class EngineDeadError(Exception):
@@ -50,14 +52,24 @@ class StreamCut(Exception):
     time); the message says why. Its choices still running are aborted in the engine."""
 
 
+class Overflow(StreamCut):
+    """The request's deltas piled up unsent past the cap: its client is not reading."""
+
+
+IDLE = (-1, None)  # what generate_n yields after keepalive_s without a delta
+
+
 class EngineClient:
     """Request bookkeeping over a `send` callable; `dispatch` is fed every FrontendInput.
 
     `generate_n` is the contract the HTTP handlers (and test doubles) rely on.
     """
 
-    def __init__(self, frontend_id: int, send: Callable[[CoreInput], None]) -> None:
+    def __init__(
+        self, frontend_id: int, send: Callable[[CoreInput], None], max_pending: int = 1024
+    ) -> None:
         self.frontend_id = frontend_id
+        self.max_pending = max_pending  # deltas one request may have waiting to be written
         self.queue = QueueView(frontend_id)  # what waits for a seat, for admission control
         self.healthy = True
         self.dead_reason = ""
@@ -93,8 +105,12 @@ class EngineClient:
                     if unstarted and rid in unstarted:  # its first delta: no longer queued
                         unstarted.pop(rid).leave(started=bool(delta.token_ids))
                     queue = queues.get(rid)
-                    if queue is not None:  # None: the request was aborted here already
+                    if queue is None:  # the request was aborted here already
+                        continue
+                    if queue.qsize() < self.max_pending:
                         queue.put_nowait((delta, received))
+                    elif queue.qsize() == self.max_pending:  # once; later deltas are dropped
+                        self._overflow(rid, queue)
             case QueueState():
                 self.queue.update(msg)
             case Heartbeat():
@@ -105,6 +121,15 @@ class EngineClient:
                 waiter = self._replies.pop(token, None)
                 if waiter is not None and not waiter.done():
                     waiter.set_result(msg)
+
+    def _overflow(self, rid: str, queue: asyncio.Queue) -> None:
+        """A request's client stopped reading: free its KV now, end its stream when its
+        handler looks next."""
+        log.warning("request %s: %d deltas unsent, its client is not reading; aborting it",
+                    rid, self.max_pending)  # fmt: skip
+        metrics.observer.slow_client("buffer")
+        queue.put_nowait(Overflow(f"the client left {self.max_pending} events unread"))
+        self._send(Abort([rid]))
 
     def cut_all(self, reason: str) -> int:
         """End every request in flight here with StreamCut(reason); returns how many."""
@@ -145,6 +170,7 @@ class EngineClient:
         priority: int = 0,
         arrival_time: float | None = None,
         ticket: Ticket | None = None,
+        keepalive_s: float = 0.0,
     ) -> AsyncIterator[tuple[int, TextDelta]]:
         """One engine request per params entry (ids `{request_id}-{i}`), merged as
         (choice index, delta) until every choice's last delta (one with a finish_reason).
@@ -153,7 +179,10 @@ class EngineClient:
         len(params) choices (without one, a ticket is taken here); each choice leaves it when
         its first delta comes or the request ends.
 
-        Raises EngineDeadError if the engine is or becomes dead. Leaving early (break,
+        With `keepalive_s` > 0, yields IDLE (-1, None) after each keepalive_s without a delta.
+
+        Raises EngineDeadError if the engine is or becomes dead, StreamCut if this frontend
+        ends the request (Overflow past max_pending unsent deltas). Leaving early (break,
         aclose, cancellation) aborts the choices still running.
         """
         if not self.healthy:
@@ -178,8 +207,17 @@ class EngineClient:
                         rid, self.frontend_id, prompt_token_ids, p, arrival, tenant, priority
                     )
                 )
+            loop = asyncio.get_running_loop()
             while running:
-                item = await queue.get()
+                if keepalive_s > 0 and queue.empty():
+                    timer = loop.call_later(keepalive_s, queue.put_nowait, _IDLE)
+                    item = await queue.get()
+                    timer.cancel()
+                else:
+                    item = await queue.get()
+                if item is _IDLE:
+                    yield IDLE  # type: ignore[misc]
+                    continue
                 if item is _DEAD:
                     raise EngineDeadError(self.dead_reason)
                 if isinstance(item, StreamCut):
@@ -241,7 +279,7 @@ class ZmqEngineClient(EngineClient):
 
     def __init__(self, config: EngineConfig, frontend_id: int, ctx: zmq.Context) -> None:
         self._sender: Sender[CoreInput] = Sender(ctx, config.ipc(CORE_IN))
-        super().__init__(frontend_id, self._sender.send)
+        super().__init__(frontend_id, self._sender.send, config.stream_buffer_events)
         self._actx = zmq.asyncio.Context()
         self._receiver: AsyncReceiver[FrontendInput] = AsyncReceiver(
             self._actx, config.ipc(frontend_socket(frontend_id)), FrontendInput

@@ -5,6 +5,7 @@ Both endpoints share this; they differ only in how a choice or a chunk is shaped
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
@@ -14,12 +15,20 @@ from typing import Protocol
 from gapless.core.common.messages import SamplingParams, TextDelta, TokenLogprob
 from gapless.frontend import metrics
 from gapless.frontend.admission import Admission
-from gapless.frontend.asgi import ClientGone, HttpRequest, Responder, unless_disconnected
-from gapless.frontend.engine_client import EngineDeadError, StreamCut
+from gapless.frontend.asgi import (
+    ClientGone,
+    HttpRequest,
+    Responder,
+    SlowReader,
+    unless_disconnected,
+)
+from gapless.frontend.engine_client import EngineDeadError, Overflow, StreamCut
 from gapless.frontend.errors import ApiError, engine_unavailable
 from gapless.frontend.queue_view import Ticket
 from gapless.frontend.responses import Usage
 from gapless.frontend.state import FrontendState
+
+log = logging.getLogger("gapless.frontend")
 
 
 @dataclass
@@ -81,8 +90,11 @@ def usage_of(job: Job, num_output_tokens: list[int]) -> Usage:
     return Usage(len(job.prompt_ids), completion, len(job.prompt_ids) + completion)
 
 
-async def _deltas(state: FrontendState, job: Job) -> AsyncIterator[tuple[int, TextDelta]]:
-    """The engine's deltas for the job, with failures raised as ApiError and metrics observed."""
+async def _deltas(
+    state: FrontendState, job: Job, keepalive_s: float = 0.0
+) -> AsyncIterator[tuple[int, TextDelta]]:
+    """The engine's deltas for the job, with failures raised as ApiError and metrics observed
+    (and, with keepalive_s, engine_client.IDLE when none came for that long)."""
     observer = metrics.observer
     observer.arrived(job.endpoint, len(job.prompt_ids))
     first = True
@@ -97,10 +109,14 @@ async def _deltas(state: FrontendState, job: Job) -> AsyncIterator[tuple[int, Te
         priority=job.priority,
         arrival_time=job.arrival_time,
         ticket=job.ticket,
+        keepalive_s=keepalive_s,
     )
     try:
         async with aclosing(stream):
             async for index, delta in stream:
+                if index < 0:  # IDLE
+                    yield index, delta
+                    continue
                 if delta.token_ids:
                     now = time.perf_counter()
                     if first:
@@ -145,9 +161,13 @@ async def stream(
     ended = [False] * len(job.params)
     observer = metrics.observer
     engine = state.engine
+    keepalive_s = state.config.sse_keepalive_s
     try:
-        async with aclosing(_deltas(state, job)) as deltas:
+        async with aclosing(_deltas(state, job, keepalive_s)) as deltas:
             async for index, delta in deltas:
+                if index < 0:  # nothing came for keepalive_s
+                    await out.comment()
+                    continue
                 received = engine.last_received  # read before the first await below
                 if not opened[index]:
                     opened[index] = True
@@ -158,6 +178,8 @@ async def stream(
                 ended[index] = delta.finish_reason is not None
                 await out.event(fmt.delta(index, delta))
                 observer.streamed(time.perf_counter() - received)
+    except Overflow as cut:
+        raise SlowReader("buffer", str(cut)) from None
     except StreamCut as cut:
         # every choice still running gets its last chunk (finish_reason "abort"), then the
         # stream ends with the error event and [DONE]
@@ -189,9 +211,20 @@ async def respond(
     """Streams or answers whole; a client that disconnects first aborts the engine requests."""
     try:
         if streaming:
-            await unless_disconnected(req.receive, stream(state, job, out, fmt, include_usage))
+            await unless_disconnected(
+                req.receive,
+                stream(state, job, out, fmt, include_usage),
+                out,
+                state.config.stream_write_timeout_s,
+            )
             return
         choices = await unless_disconnected(req.receive, collect(state, job))
+    except SlowReader as slow:
+        # the engine requests were aborted as the stream's work ended; nothing more can be sent
+        log.warning("request %s aborted, its client is not reading: %s", job.request_id, slow)
+        if slow.reason == "write_timeout":  # an overflow was counted where it was seen
+            metrics.observer.slow_client(slow.reason)
+        raise ClientGone from None
     except StreamCut as cut:
         raise cut_error(cut) from None
     except ClientGone:

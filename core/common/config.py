@@ -201,6 +201,33 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_logprobs: Annotated[
         int, msgspec.Meta(description="most alternative logprobs per token a request may ask for")
     ] = 20
+    stream_buffer_events: Annotated[
+        int,
+        msgspec.Meta(
+            description="events a stream may hold unsent before its request is aborted as a "
+            "slow reader (its KV freed)",
+            ge=1,
+            extra={"metavar": "N"},
+        ),
+    ] = 1024
+    stream_write_timeout_s: Annotated[
+        float,
+        msgspec.Meta(
+            description="seconds one write to a stream may wait for the client to read before "
+            "the request is aborted as a slow reader",
+            gt=0,
+            extra={"flag": "stream-write-timeout", "metavar": "S"},
+        ),
+    ] = 30.0
+    sse_keepalive_s: Annotated[
+        float,
+        msgspec.Meta(
+            description="send an SSE comment after this many seconds without an event, so "
+            "proxies keep a waiting stream open (0: never)",
+            ge=0,
+            extra={"flag": "sse-keepalive", "metavar": "S"},
+        ),
+    ] = 15.0
     max_body_bytes: Annotated[int, NOT_A_FLAG] = 4 * 2**20
     max_head_bytes: Annotated[int, NOT_A_FLAG] = 64 * 2**10  # request line + headers; 431 past it
     max_stop_strings: Annotated[int, NOT_A_FLAG] = 16

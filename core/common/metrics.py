@@ -134,3 +134,10 @@ class FrontendMetrics:
             ["reason"],
             registry=r,
         )
+        self.slow_clients = Counter(
+            "gapless_slow_clients",
+            "Streams aborted because the client stopped reading: buffer (too many events "
+            "unsent) or write_timeout",
+            ["reason"],
+            registry=r,
+        )
