@@ -26,6 +26,7 @@ from gapless.frontend.state import FrontendState
 from gapless.frontend.tenants import ANONYMOUS, ApiKeys, Caller
 
 log = logging.getLogger("gapless.frontend")
+access_log = logging.getLogger("gapless.access")
 T = TypeVar("T")
 
 Handler = Callable[[HttpRequest, Responder, Caller], Awaitable[None]]
@@ -60,7 +61,9 @@ class App:
             return
         if scope["type"] != "http":
             return
-        req, out = HttpRequest(scope, receive), Responder(send)
+        started = time.perf_counter()
+        req = HttpRequest(scope, receive)
+        out = Responder(send, [(b"x-request-id", req.request_id.encode())])
         try:
             await self._route(req, out)
         except ApiError as exc:
@@ -74,6 +77,8 @@ class App:
             await out.error(
                 ApiError(500, "internal error while handling the request", code="internal_error")
             )
+        finally:
+            _access_line(req, out, time.perf_counter() - started)
 
     async def _route(self, req: HttpRequest, out: Responder) -> None:
         caller = (
@@ -161,6 +166,27 @@ class App:
 
     async def _openapi_json(self, req: HttpRequest, out: Responder, caller: Caller) -> None:
         await out.json(200, self._openapi)
+
+
+def _access_line(req: HttpRequest, out: Responder, duration_s: float) -> None:
+    """One line per request; probes and scrapes only at debug level."""
+    level = logging.DEBUG if req.path in OPEN_PATHS else logging.INFO
+    if not access_log.isEnabledFor(level):
+        return
+    stats = req.stats
+    fields = {
+        "request_id": req.request_id,
+        "method": req.method,
+        "route": req.path,
+        # 499: the client went away before a response started
+        "status": out.status or 499,
+        "prompt_tokens": stats.prompt_tokens,
+        "completion_tokens": stats.completion_tokens,
+        "ttft_ms": None if stats.ttft_s is None else round(stats.ttft_s * 1000, 1),
+        "duration_ms": round(duration_s * 1000, 1),
+        "finish_reason": stats.finish_reason,
+    }
+    access_log.log(level, "access", extra={"fields": fields})
 
 
 async def _from_engine(question: Awaitable[T]) -> T:

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import msgspec
@@ -30,6 +33,26 @@ _KEEPALIVE = b": keep-alive\n\n"
 WATCH_TICK_S = 0.5  # how often a stream's writes are looked at
 
 
+_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")  # printable ASCII, no spaces
+
+
+def request_id_of(header: str | None) -> str:
+    """The client's X-Request-Id if it is a sane one, else a new one."""
+    if header is not None and _REQUEST_ID.fullmatch(header):
+        return header
+    return uuid.uuid4().hex
+
+
+@dataclass
+class RequestStats:
+    """What the access line reports of a generation request; filled as it runs."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    ttft_s: float | None = None  # from arrival to the first token at the frontend
+    finish_reason: str | None = None
+
+
 class HttpRequest:
     """The head of one HTTP request; the body is read once, bounded, with `body()`."""
 
@@ -40,6 +63,8 @@ class HttpRequest:
         self.path: str = scope["path"]
         # lower-case names; a repeated header keeps its last value
         self.headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        self.request_id = request_id_of(self.headers.get("x-request-id"))
+        self.stats = RequestStats()
 
     async def body(self, max_bytes: int) -> bytes:
         """The whole body, or 413 as soon as it is known to exceed max_bytes."""
@@ -81,8 +106,10 @@ class SlowReader(Exception):
 class Responder:
     """Sends one response: a JSON body, or an SSE stream started on its first event."""
 
-    def __init__(self, send: Send) -> None:
+    def __init__(self, send: Send, headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
         self._send = send
+        self._headers = list(headers)  # on every response (X-Request-Id)
+        self.status = 0  # sent; 0 until a response starts
         self.started = False
         self.streaming = False
         self.finished = False
@@ -94,8 +121,8 @@ class Responder:
         self, status: int, body: Any, headers: Sequence[tuple[bytes, bytes]] = ()
     ) -> None:
         payload = encoder.encode(body)
-        head = [*_JSON, (b"content-length", str(len(payload)).encode()), *headers]
-        self.started = True
+        head = [*_JSON, (b"content-length", str(len(payload)).encode()), *headers, *self._headers]
+        self.started, self.status = True, status
         await self._send({"type": "http.response.start", "status": status, "headers": head})
         await self._send({"type": "http.response.body", "body": payload})
         self.finished = True
@@ -103,7 +130,8 @@ class Responder:
     async def raw(self, status: int, payload: bytes, content_type: bytes) -> None:
         """A body already encoded, with its content type."""
         head = [(b"content-type", content_type), (b"content-length", str(len(payload)).encode())]
-        self.started = True
+        head += self._headers
+        self.started, self.status = True, status
         await self._send({"type": "http.response.start", "status": status, "headers": head})
         await self._send({"type": "http.response.body", "body": payload})
         self.finished = True
@@ -119,18 +147,22 @@ class Responder:
     async def _stream_write(self, data: bytes) -> None:
         self.writing_since = time.monotonic()
         if not self.started:
-            self.started = self.streaming = True
-            await self._send({"type": "http.response.start", "status": 200, "headers": _SSE})
+            await self._start_stream()
         await self._send({"type": "http.response.body", "body": data, "more_body": True})
         self.writing_since = None
 
     async def done(self) -> None:
         """`data: [DONE]` and the end of the stream."""
         if not self.started:
-            self.started = self.streaming = True
-            await self._send({"type": "http.response.start", "status": 200, "headers": _SSE})
+            await self._start_stream()
         self.finished = True
         await self._send({"type": "http.response.body", "body": _DONE})
+
+    async def _start_stream(self) -> None:
+        self.started = self.streaming = True
+        self.status = 200
+        head = [*_SSE, *self._headers]
+        await self._send({"type": "http.response.start", "status": 200, "headers": head})
 
     async def error(self, exc: ApiError) -> None:
         """The error as a JSON response, or as an SSE error event when the stream has begun."""

@@ -171,6 +171,7 @@ class EngineClient:
         arrival_time: float | None = None,
         ticket: Ticket | None = None,
         keepalive_s: float = 0.0,
+        label: str = "",
     ) -> AsyncIterator[tuple[int, TextDelta]]:
         """One engine request per params entry (ids `{request_id}-{i}`), merged as
         (choice index, delta) until every choice's last delta (one with a finish_reason).
@@ -204,7 +205,7 @@ class EngineClient:
             for rid, p in zip(ids, params, strict=True):
                 self._send(
                     AddRequest(
-                        rid, self.frontend_id, prompt_token_ids, p, arrival, tenant, priority
+                        rid, self.frontend_id, prompt_token_ids, p, arrival, tenant, priority, label
                     )
                 )
             loop = asyncio.get_running_loop()

@@ -18,6 +18,7 @@ from gapless.frontend.admission import Admission
 from gapless.frontend.asgi import (
     ClientGone,
     HttpRequest,
+    RequestStats,
     Responder,
     SlowReader,
     unless_disconnected,
@@ -41,6 +42,8 @@ class Job:
     priority: int
     arrival_time: float  # time.time()
     ticket: Ticket  # its place in the admission count
+    label: str = ""  # the X-Request-Id, carried to the engine for its logs
+    stats: RequestStats = field(default_factory=RequestStats)  # for the access line
 
 
 @dataclass
@@ -110,6 +113,7 @@ async def _deltas(
         arrival_time=job.arrival_time,
         ticket=job.ticket,
         keepalive_s=keepalive_s,
+        label=job.label,
     )
     try:
         async with aclosing(stream):
@@ -121,7 +125,8 @@ async def _deltas(
                     now = time.perf_counter()
                     if first:
                         first = False
-                        observer.first_token(job.endpoint, time.time() - job.arrival_time)
+                        job.stats.ttft_s = time.time() - job.arrival_time
+                        observer.first_token(job.endpoint, job.stats.ttft_s)
                     elif last[index]:
                         observer.delta(now - last[index], len(delta.token_ids))
                     last[index] = now
@@ -134,6 +139,9 @@ async def _deltas(
     except EngineDeadError as exc:
         raise engine_unavailable(str(exc)) from None
     finally:
+        job.stats.prompt_tokens = len(job.prompt_ids)
+        job.stats.completion_tokens = sum(outputs)
+        job.stats.finish_reason = reason
         observer.finished(job.endpoint, time.time() - job.arrival_time, sum(outputs), reason)
 
 
@@ -209,6 +217,7 @@ async def respond(
     build: Callable[[list[ChoiceResult], Usage], object],
 ) -> None:
     """Streams or answers whole; a client that disconnects first aborts the engine requests."""
+    job.label, job.stats = req.request_id, req.stats
     try:
         if streaming:
             await unless_disconnected(

@@ -11,6 +11,8 @@ import msgspec
 Device = Literal["cpu", "sim", "cuda"]
 DType = Literal["bfloat16", "float32", "float16"]
 SchedulingPolicy = Literal["fair", "priority", "fcfs"]
+LogLevel = Literal["debug", "info", "warning", "error"]
+LogFormat = Literal["text", "json"]
 NOT_A_FLAG = msgspec.Meta(extra={"flag": False})  # a field `gapless serve` has no flag for
 
 # a request's priority: lower runs sooner (vLLM's convention); names are aliases
@@ -241,6 +243,21 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             extra={"flag": "drain-timeout"},
         ),
     ] = 30.0
+    log_level: Annotated[
+        LogLevel, msgspec.Meta(description="the least severe log lines every process writes")
+    ] = "info"
+    log_format: Annotated[
+        LogFormat,
+        msgspec.Meta(description="text: one readable line per record; json: one JSON object"),
+    ] = "text"
+    stats_interval_s: Annotated[
+        float,
+        msgspec.Meta(
+            description="while requests run, the core logs a stats line this often (0: never)",
+            ge=0,
+            extra={"flag": "stats-interval", "metavar": "S"},
+        ),
+    ] = 10.0
     # how long /health says 503 before serve exits
     dead_engine_grace_s: Annotated[float, NOT_A_FLAG] = 3.0
     # tenants (cli.py adds --tenant-weight NAME=W, which sets TenantSpec.weight)

@@ -61,6 +61,7 @@ class AddRequest(_Msg):
     arrival_time: float  # time.time() when the HTTP request arrived
     tenant: str = ""
     priority: int = 0  # in [-1000, 1000], lower runs sooner: -10 interactive, 0 default, 10 batch
+    label: str = ""  # the client's X-Request-Id (or one made up), for logs; clients reuse ids
 
 
 class Abort(_Msg):

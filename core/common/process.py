@@ -14,6 +14,7 @@ import zmq
 
 from gapless.core.common.channel import Sender
 from gapless.core.common.config import CONFIG_ENV, EngineConfig, decode_config
+from gapless.core.common.logs import setup_logging
 from gapless.core.common.messages import ControlMessage, Fatal, Ready
 from gapless.shm import names as shm
 
@@ -23,6 +24,9 @@ RUNNER_IN = "runner_in"  # core -> gpu_runner
 RUNNER_OUT = "runner_out"  # gpu_runner -> core
 DETOK_IN = "detok_in"  # core -> detokenizer
 CONTROL = "control"  # every process -> supervisor
+
+
+ROLE_NAMES = {"gpu_runner": "runner", "detokenizer": "detok"}  # as logs name them
 
 
 def frontend_socket(frontend_id: int) -> str:
@@ -62,6 +66,7 @@ def child_setup(role: str) -> EngineConfig:
     global _parent_pid
     config = decode_config(os.environ[CONFIG_ENV])
     _parent_pid = os.getppid()
+    setup_logging(config.log_level, config.log_format, ROLE_NAMES.get(role, role))
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: _stop.set())

@@ -22,7 +22,7 @@ NICE = {"detokenizer": 5, "frontend": 5}
 
 def main(argv: list[str]) -> None:
     role = argv[0]
-    config = child_setup(role)
+    config = child_setup(role if role != "frontend" else f"frontend{argv[1]}")
     if NICE.get(role):
         os.nice(NICE[role])
     try:

@@ -59,6 +59,9 @@ FLAGS = {
     "--stream-write-timeout S": "30.0",
     "--sse-keepalive S": "15.0",
     "--drain-timeout": "30.0",
+    "--log-level {debug,info,warning,error}": "info",
+    "--log-format {text,json}": "text",
+    "--stats-interval S": "10.0",
     "--api-keys-file FILE": None,
     "--tenant-weight NAME=W": "every tenant weighs 1",
 }
