@@ -43,7 +43,9 @@ class App:
         self._keys = ApiKeys(state.config)
         self._open = frozenset({"/health"}) if state.config.metrics_require_key else OPEN_PATHS
         self._created = int(time.time())
-        self._openapi = msgspec.Raw(encoder.encode(openapi_document("gapless", "0.1.0")))
+        self._openapi = msgspec.Raw(
+            encoder.encode(openapi_document("gapless", "0.2.0", state.config))
+        )
         self.routes: dict[str, dict[str, Handler]] = {
             "/v1/completions": {"POST": self._completions},
             "/v1/chat/completions": {"POST": self._chat},
