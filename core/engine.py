@@ -8,6 +8,7 @@ directly with an in-process runner.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -37,6 +38,8 @@ from gapless.core.policy import make_policy
 from gapless.core.request import Request
 from gapless.core.scheduler import ScheduledStep, Scheduler, StepOutput
 from gapless.core.timeline import DeviceTimeline
+
+log = logging.getLogger("gapless.core")
 
 DRAIN_WINDOW_S = 10.0  # QueueState's drain rate is over this long
 PROMPT_TAIL = 4  # prompt ids the detokenizer decodes in front of the first output token
@@ -122,8 +125,12 @@ class EngineCore:
                 prompt_tail=msg.prompt_token_ids[-PROMPT_TAIL:],
             )
         )
+        if msg.label and log.isEnabledFor(logging.DEBUG):
+            log.debug("request %s added: x-request-id %s, %d prompt tokens",
+                      msg.request_id, msg.label, len(msg.prompt_token_ids))  # fmt: skip
         why = self.scheduler.fits_ever(req)
         if why is not None:
+            log.info("request %s (x-request-id %s) refused: %s", msg.request_id, msg.label, why)
             self._end(req, "error", why)
         else:
             self.metrics.request_added(msg.request_id, req.num_prompt, now)

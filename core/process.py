@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 
 import zmq
@@ -9,9 +10,11 @@ import zmq
 from gapless.core.common.channel import Receiver, Sender
 from gapless.core.common.config import EngineConfig
 from gapless.core.common.messages import (
+    HEARTBEAT_INTERVAL_S,
     CoreInput,
     DetokInput,
     FrontendInput,
+    Heartbeat,
     RunnerError,
     RunnerInput,
     RunnerOutput,
@@ -29,7 +32,39 @@ from gapless.core.common.process import (
 )
 from gapless.core.engine import EngineCore, EngineOutputs
 
+log = logging.getLogger("gapless.core")
+
 IDLE_POLL_MS = 100  # how long to block with nothing to do before looking at stop_requested()
+
+
+class StatsLine:
+    """A periodic log line while the engine has work: running, waiting, KV use, tok/s, idle %."""
+
+    def __init__(self, core: EngineCore, interval_s: float) -> None:
+        self.core = core
+        self.interval_s = interval_s
+        self.num_tokens = 0  # sampled tokens applied since the last line
+        self._at = time.monotonic()
+        self._busy_idle = (0.0, 0.0)  # the device timeline's totals at the last line
+
+    def maybe_log(self, now: float) -> None:
+        if self.interval_s <= 0 or now - self._at < self.interval_s:
+            return
+        s, tl = self.core.scheduler, self.core.timeline
+        busy, idle = tl.busy_s - self._busy_idle[0], tl.idle_s - self._busy_idle[1]
+        if s.has_work or self.num_tokens:
+            blocks = s.blocks
+            used = blocks.num_usable - blocks.num_free
+            fields = {
+                "running": len(s.running),
+                "waiting": s.num_waiting,
+                "kv_used": round(used / max(1, blocks.num_usable), 3),
+                "tok_per_s": round(self.num_tokens / (now - self._at), 1),
+                "idle_pct": round(100 * idle / (busy + idle), 1) if busy + idle > 0 else 0.0,
+            }
+            log.info("stats", extra={"fields": fields})
+        self._at, self.num_tokens = now, 0
+        self._busy_idle = (tl.busy_s, tl.idle_s)
 
 
 class CoreProcess:
@@ -59,7 +94,15 @@ class CoreProcess:
         poller.register(self.inbox.socket, zmq.POLLIN)
         poller.register(self.results.socket, zmq.POLLIN)
         result: StepResult | None = None
+        beat_at = 0.0  # time.monotonic() of the last Heartbeat
+        stats = StatsLine(core, core.config.stats_interval_s)
         while not core.shutdown and not stop_requested():
+            now = time.monotonic()
+            if now - beat_at >= HEARTBEAT_INTERVAL_S:
+                beat_at = now
+                for frontend in self.frontends:
+                    frontend.send(Heartbeat())
+                stats.maybe_log(now)
             # 1. drain inputs without blocking
             for msg in self.inbox.drain():
                 core.handle(msg)
@@ -69,9 +112,10 @@ class CoreProcess:
             # 3. wait for the oldest step's result, or for input while idle
             events = dict(poller.poll(IDLE_POLL_MS))
             if self.results.socket in events:
-                match self.results.recv():
+                # timeout 0: a stray frame was dropped, and nothing else may have come
+                match self.results.recv(timeout_ms=0):
                     case StepResult() as result:
-                        pass
+                        stats.num_tokens += len(result.token_ids)
                     case RunnerError(message=message):
                         raise RuntimeError(f"gpu_runner failed: {message}")
         core.timeline.close()

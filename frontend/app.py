@@ -13,7 +13,7 @@ import msgspec
 from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4
 
 from gapless.core.common import metrics as core_metrics
-from gapless.core.common.messages import KEEP_STEPS
+from gapless.core.common.messages import HEARTBEAT_TIMEOUT_S, KEEP_STEPS
 from gapless.frontend import metrics
 from gapless.frontend.asgi import ClientGone, HttpRequest, Receive, Responder, Scope, Send, encoder
 from gapless.frontend.chat import handle_chat
@@ -26,6 +26,7 @@ from gapless.frontend.state import FrontendState
 from gapless.frontend.tenants import ANONYMOUS, ApiKeys, Caller
 
 log = logging.getLogger("gapless.frontend")
+access_log = logging.getLogger("gapless.access")
 T = TypeVar("T")
 
 Handler = Callable[[HttpRequest, Responder, Caller], Awaitable[None]]
@@ -42,7 +43,9 @@ class App:
         self._keys = ApiKeys(state.config)
         self._open = frozenset({"/health"}) if state.config.metrics_require_key else OPEN_PATHS
         self._created = int(time.time())
-        self._openapi = msgspec.Raw(encoder.encode(openapi_document("gapless", "0.1.0")))
+        self._openapi = msgspec.Raw(
+            encoder.encode(openapi_document("gapless", "0.2.0", state.config))
+        )
         self.routes: dict[str, dict[str, Handler]] = {
             "/v1/completions": {"POST": self._completions},
             "/v1/chat/completions": {"POST": self._chat},
@@ -60,7 +63,9 @@ class App:
             return
         if scope["type"] != "http":
             return
-        req, out = HttpRequest(scope, receive), Responder(send)
+        started = time.perf_counter()
+        req = HttpRequest(scope, receive)
+        out = Responder(send, [(b"x-request-id", req.request_id.encode())])
         try:
             await self._route(req, out)
         except ApiError as exc:
@@ -74,6 +79,8 @@ class App:
             await out.error(
                 ApiError(500, "internal error while handling the request", code="internal_error")
             )
+        finally:
+            _access_line(req, out, time.perf_counter() - started)
 
     async def _route(self, req: HttpRequest, out: Responder) -> None:
         caller = (
@@ -112,8 +119,12 @@ class App:
 
     async def _health(self, req: HttpRequest, out: Responder, caller: Caller) -> None:
         engine = self.state.engine
+        silent_s = engine.core_silent_s()
         if not engine.healthy:
             await out.json(503, Health("dead", engine.dead_reason))
+        elif silent_s > HEARTBEAT_TIMEOUT_S:
+            reason = f"the engine core has not answered for {silent_s:.1f} s"
+            await out.json(503, Health("unresponsive", reason))
         elif self.state.admission.draining:
             await out.json(503, Health("draining", "shutting down; in-flight requests finish"))
         else:
@@ -157,6 +168,27 @@ class App:
 
     async def _openapi_json(self, req: HttpRequest, out: Responder, caller: Caller) -> None:
         await out.json(200, self._openapi)
+
+
+def _access_line(req: HttpRequest, out: Responder, duration_s: float) -> None:
+    """One line per request; probes and scrapes only at debug level."""
+    level = logging.DEBUG if req.path in OPEN_PATHS else logging.INFO
+    if not access_log.isEnabledFor(level):
+        return
+    stats = req.stats
+    fields = {
+        "request_id": req.request_id,
+        "method": req.method,
+        "route": req.path,
+        # 499: the client went away before a response started
+        "status": out.status or 499,
+        "prompt_tokens": stats.prompt_tokens,
+        "completion_tokens": stats.completion_tokens,
+        "ttft_ms": None if stats.ttft_s is None else round(stats.ttft_s * 1000, 1),
+        "duration_ms": round(duration_s * 1000, 1),
+        "finish_reason": stats.finish_reason,
+    }
+    access_log.log(level, "access", extra={"fields": fields})
 
 
 async def _from_engine(question: Awaitable[T]) -> T:

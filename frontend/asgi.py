@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import re
+import time
+import uuid
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import msgspec
@@ -25,6 +29,28 @@ _SSE = [
     (b"x-accel-buffering", b"no"),
 ]
 _DONE = b"data: [DONE]\n\n"
+_KEEPALIVE = b": keep-alive\n\n"
+WATCH_TICK_S = 0.5  # how often a stream's writes are looked at
+
+
+_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")  # printable ASCII, no spaces
+
+
+def request_id_of(header: str | None) -> str:
+    """The client's X-Request-Id if it is a sane one, else a new one."""
+    if header is not None and _REQUEST_ID.fullmatch(header):
+        return header
+    return uuid.uuid4().hex
+
+
+@dataclass
+class RequestStats:
+    """What the access line reports of a generation request; filled as it runs."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    ttft_s: float | None = None  # from arrival to the first token at the frontend
+    finish_reason: str | None = None
 
 
 class HttpRequest:
@@ -37,6 +63,8 @@ class HttpRequest:
         self.path: str = scope["path"]
         # lower-case names; a repeated header keeps its last value
         self.headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        self.request_id = request_id_of(self.headers.get("x-request-id"))
+        self.stats = RequestStats()
 
     async def body(self, max_bytes: int) -> bytes:
         """The whole body, or 413 as soon as it is known to exceed max_bytes."""
@@ -67,21 +95,34 @@ class ClientGone(Exception):
     """The client disconnected; nothing more can be sent."""
 
 
+class SlowReader(Exception):
+    """The client stopped reading its stream (`reason`: "buffer" or "write_timeout")."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
 class Responder:
     """Sends one response: a JSON body, or an SSE stream started on its first event."""
 
-    def __init__(self, send: Send) -> None:
+    def __init__(self, send: Send, headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
         self._send = send
+        self._headers = list(headers)  # on every response (X-Request-Id)
+        self.status = 0  # sent; 0 until a response starts
         self.started = False
         self.streaming = False
         self.finished = False
+        # time.monotonic() when the SSE write in progress began (None: none is); a write
+        # waits while the client does not read (uvicorn's flow control)
+        self.writing_since: float | None = None
 
     async def json(
         self, status: int, body: Any, headers: Sequence[tuple[bytes, bytes]] = ()
     ) -> None:
         payload = encoder.encode(body)
-        head = [*_JSON, (b"content-length", str(len(payload)).encode()), *headers]
-        self.started = True
+        head = [*_JSON, (b"content-length", str(len(payload)).encode()), *headers, *self._headers]
+        self.started, self.status = True, status
         await self._send({"type": "http.response.start", "status": status, "headers": head})
         await self._send({"type": "http.response.body", "body": payload})
         self.finished = True
@@ -89,27 +130,39 @@ class Responder:
     async def raw(self, status: int, payload: bytes, content_type: bytes) -> None:
         """A body already encoded, with its content type."""
         head = [(b"content-type", content_type), (b"content-length", str(len(payload)).encode())]
-        self.started = True
+        head += self._headers
+        self.started, self.status = True, status
         await self._send({"type": "http.response.start", "status": status, "headers": head})
         await self._send({"type": "http.response.body", "body": payload})
         self.finished = True
 
     async def event(self, payload: bytes) -> None:
         """One SSE `data:` event holding already encoded JSON."""
+        await self._stream_write(b"data: " + payload + b"\n\n")
+
+    async def comment(self) -> None:
+        """An SSE comment, which clients ignore: it keeps proxies from cutting a quiet stream."""
+        await self._stream_write(_KEEPALIVE)
+
+    async def _stream_write(self, data: bytes) -> None:
+        self.writing_since = time.monotonic()
         if not self.started:
-            self.started = self.streaming = True
-            await self._send({"type": "http.response.start", "status": 200, "headers": _SSE})
-        await self._send(
-            {"type": "http.response.body", "body": b"data: " + payload + b"\n\n", "more_body": True}
-        )
+            await self._start_stream()
+        await self._send({"type": "http.response.body", "body": data, "more_body": True})
+        self.writing_since = None
 
     async def done(self) -> None:
         """`data: [DONE]` and the end of the stream."""
         if not self.started:
-            self.started = self.streaming = True
-            await self._send({"type": "http.response.start", "status": 200, "headers": _SSE})
+            await self._start_stream()
         self.finished = True
         await self._send({"type": "http.response.body", "body": _DONE})
+
+    async def _start_stream(self) -> None:
+        self.started = self.streaming = True
+        self.status = 200
+        head = [*_SSE, *self._headers]
+        await self._send({"type": "http.response.start", "status": 200, "headers": head})
 
     async def error(self, exc: ApiError) -> None:
         """The error as a JSON response, or as an SSE error event when the stream has begun."""
@@ -127,17 +180,39 @@ async def until_disconnect(receive: Receive) -> None:
         pass
 
 
-async def unless_disconnected(receive: Receive, work: Coroutine[Any, Any, T]) -> T:
-    """Runs `work`, cancelling it when the client disconnects first (raises ClientGone)."""
+async def unless_disconnected(
+    receive: Receive,
+    work: Coroutine[Any, Any, T],
+    out: Responder | None = None,
+    write_timeout_s: float | None = None,
+) -> T:
+    """Runs `work`, cancelling it when the client disconnects first (raises ClientGone), or,
+    given `out` and `write_timeout_s`, when one of out's SSE writes has waited that long for
+    the client to read (raises SlowReader)."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(until_disconnect(receive))
+    stuck = False
+    tick = None if write_timeout_s is None else min(WATCH_TICK_S, write_timeout_s)
     try:
-        await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+        while True:
+            done, _ = await asyncio.wait(
+                (task, watcher), timeout=tick, return_when=asyncio.FIRST_COMPLETED
+            )
+            if done:
+                break
+            since = out.writing_since if out is not None else None
+            if since is not None and time.monotonic() - since > write_timeout_s:  # type: ignore[operator]
+                stuck = True
+                break
     finally:
         if not task.done():
             task.cancel()
         watcher.cancel()
         await asyncio.gather(task, watcher, return_exceptions=True)
+    if stuck:
+        raise SlowReader(
+            "write_timeout", f"the client read nothing of its stream for {write_timeout_s:g} s"
+        )
     if task.cancelled():
         raise ClientGone
     return task.result()

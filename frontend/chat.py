@@ -10,7 +10,7 @@ import msgspec
 from gapless.core.common.config import EngineConfig
 from gapless.core.common.messages import TextDelta
 from gapless.frontend.asgi import HttpRequest, Responder, encoder
-from gapless.frontend.errors import bad_request, from_decode_error
+from gapless.frontend.errors import bad_request, decode_body
 from gapless.frontend.generation import ChoiceResult, Job, respond
 from gapless.frontend.params import (
     check_logprobs,
@@ -79,12 +79,9 @@ async def handle_chat(
 ) -> None:
     arrival = time.time()
     config = state.config
-    try:
-        raw = await req.body(config.max_body_bytes)
-        received = time.perf_counter()  # the whole request is here: admission's clock starts
-        body = _decoder.decode(raw)
-    except msgspec.DecodeError as exc:
-        raise from_decode_error(exc) from None
+    raw = await req.body(config.max_body_bytes)
+    received = time.perf_counter()  # the whole request is here: admission's clock starts
+    body = decode_body(_decoder, raw)
     check_model(body.model, config)
     n = check_n(body.n, config)
     budget_name = (

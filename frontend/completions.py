@@ -9,7 +9,7 @@ import msgspec
 
 from gapless.core.common.messages import TextDelta
 from gapless.frontend.asgi import HttpRequest, Responder, encoder
-from gapless.frontend.errors import bad_request, from_decode_error
+from gapless.frontend.errors import bad_request, decode_body
 from gapless.frontend.generation import ChoiceResult, Job, respond
 from gapless.frontend.params import (
     check_logprobs,
@@ -60,12 +60,9 @@ async def handle_completions(
 ) -> None:
     arrival = time.time()
     config = state.config
-    try:
-        raw = await req.body(config.max_body_bytes)
-        received = time.perf_counter()  # the whole request is here: admission's clock starts
-        body = _decoder.decode(raw)
-    except msgspec.DecodeError as exc:
-        raise from_decode_error(exc) from None
+    raw = await req.body(config.max_body_bytes)
+    received = time.perf_counter()  # the whole request is here: admission's clock starts
+    body = decode_body(_decoder, raw)
     check_model(body.model, config)
     if body.echo:
         raise bad_request("echo is not supported", param="echo")

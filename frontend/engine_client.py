@@ -26,6 +26,7 @@ from gapless.core.common.messages import (
     FrontendInput,
     GetStats,
     GetTimeline,
+    Heartbeat,
     QueueState,
     SamplingParams,
     TextDelta,
@@ -33,11 +34,13 @@ from gapless.core.common.messages import (
     Timeline,
 )
 from gapless.core.common.process import CORE_IN, frontend_socket
+from gapless.frontend import metrics
 from gapless.frontend.queue_view import QueueView, Ticket
 
 log = logging.getLogger("gapless.frontend")
 
 _DEAD = object()  # queue sentinel: the engine died while the request was in flight
+_IDLE = object()  # queue sentinel: keepalive_s passed without a delta
 
 
 def _joined(a: TextDelta, b: TextDelta) -> TextDelta:
@@ -58,19 +61,16 @@ def _joined(a: TextDelta, b: TextDelta) -> TextDelta:
     )
 
 
-def _coalesced(items: list) -> list[tuple[TextDelta, float]]:
+def _coalesced(items: list[tuple[TextDelta, float]]) -> list[tuple[TextDelta, float]]:
     """Queued (delta, received) items as one delta per engine request, in the order each
     request first appears, its own deltas joined in order; the received time is the first's,
-    so the delivery latency counts from the oldest token. Stops at _DEAD.
+    so the delivery latency counts from the oldest token.
 
     A consumer that keeps up takes one item at a time and this changes nothing; one that fell
     behind (a slow client, a busy event loop) sends one SSE event per choice for everything
     that waited instead of one per step, which is what lets it catch up."""
     merged: dict[str, tuple[TextDelta, float]] = {}
-    for item in items:
-        if item is _DEAD:
-            break
-        delta, received = item
+    for delta, received in items:
         prev = merged.get(delta.request_id)
         merged[delta.request_id] = (
             (delta, received) if prev is None else (_joined(prev[0], delta), prev[1])
@@ -82,19 +82,35 @@ class EngineDeadError(Exception):
     """The engine is gone; every in-flight and later request fails with this."""
 
 
+class StreamCut(Exception):
+    """The frontend ended the request itself before the engine did (the drain ran out of
+    time); the message says why. Its choices still running are aborted in the engine."""
+
+
+class Overflow(StreamCut):
+    """The request's deltas piled up unsent past the cap: its client is not reading."""
+
+
+IDLE = (-1, None)  # what generate_n yields after keepalive_s without a delta
+
+
 class EngineClient:
     """Request bookkeeping over a `send` callable; `dispatch` is fed every FrontendInput.
 
     `generate_n` is the contract the HTTP handlers (and test doubles) rely on.
     """
 
-    def __init__(self, frontend_id: int, send: Callable[[CoreInput], None]) -> None:
+    def __init__(
+        self, frontend_id: int, send: Callable[[CoreInput], None], max_pending: int = 1024
+    ) -> None:
         self.frontend_id = frontend_id
+        self.max_pending = max_pending  # deltas one request may have waiting to be written
         self.queue = QueueView(frontend_id)  # what waits for a seat, for admission control
         self.healthy = True
         self.dead_reason = ""
         self._send = send
-        # engine id -> queue of (delta, perf_counter when its TextDeltas arrived) or _DEAD
+        # engine id -> queue of (delta, perf_counter when its TextDeltas arrived), _DEAD or
+        # a StreamCut
         self._queues: dict[str, asyncio.Queue[tuple[TextDelta, float] | object]] = {}
         self._counter = itertools.count()
         self._replies: dict[int, asyncio.Future] = {}  # token -> answer of the core
@@ -102,9 +118,14 @@ class EngineClient:
         # perf_counter when the delta generate_n yielded last reached this frontend; valid until
         # the consumer's next await
         self.last_received = 0.0
+        self.last_heartbeat = time.monotonic()  # of the core; it was READY before we started
 
     def next_request_id(self) -> str:
         return f"{self.frontend_id}-{next(self._counter)}"
+
+    def core_silent_s(self) -> float:
+        """Seconds since the core's last heartbeat."""
+        return time.monotonic() - self.last_heartbeat
 
     def on_dead(self, callback: Callable[[str], None]) -> None:
         self._on_dead.append(callback)
@@ -119,16 +140,42 @@ class EngineClient:
                     if unstarted and rid in unstarted:  # its first delta: no longer queued
                         unstarted.pop(rid).leave(started=bool(delta.token_ids))
                     queue = queues.get(rid)
-                    if queue is not None:  # None: the request was aborted here already
+                    if queue is None:  # the request was aborted here already
+                        continue
+                    if queue.qsize() < self.max_pending:
                         queue.put_nowait((delta, received))
+                    elif queue.qsize() == self.max_pending:  # once; later deltas are dropped
+                        self._overflow(rid, queue)
             case QueueState():
                 self.queue.update(msg)
+            case Heartbeat():
+                self.last_heartbeat = time.monotonic()
             case EngineDead(reason=reason):
                 self._mark_dead(reason)
             case EngineStats(token=token) | Timeline(token=token):
                 waiter = self._replies.pop(token, None)
                 if waiter is not None and not waiter.done():
                     waiter.set_result(msg)
+
+    def _overflow(self, rid: str, queue: asyncio.Queue) -> None:
+        """A request's client stopped reading: free its KV now, end its stream when its
+        handler looks next."""
+        log.warning("request %s: %d deltas unsent, its client is not reading; aborting it",
+                    rid, self.max_pending)  # fmt: skip
+        metrics.observer.slow_client("buffer")
+        queue.put_nowait(Overflow(f"the client left {self.max_pending} events unread"))
+        self._send(Abort([rid]))
+
+    def cut_all(self, reason: str) -> int:
+        """End every request in flight here with StreamCut(reason); returns how many."""
+        queues = {id(q): q for q in self._queues.values()}.values()
+        for queue in queues:
+            queue.put_nowait(StreamCut(reason))
+        return len(queues)
+
+    def mark_dead(self, reason: str) -> None:
+        """The engine is gone: every request in flight and every later one fails."""
+        self._mark_dead(reason)
 
     def _mark_dead(self, reason: str) -> None:
         if not self.healthy:
@@ -158,6 +205,8 @@ class EngineClient:
         priority: int = 0,
         arrival_time: float | None = None,
         ticket: Ticket | None = None,
+        keepalive_s: float = 0.0,
+        label: str = "",
     ) -> AsyncIterator[tuple[int, TextDelta]]:
         """One engine request per params entry (ids `{request_id}-{i}`), merged as
         (choice index, delta) until every choice's last delta (one with a finish_reason).
@@ -166,7 +215,10 @@ class EngineClient:
         len(params) choices (without one, a ticket is taken here); each choice leaves it when
         its first delta comes or the request ends.
 
-        Raises EngineDeadError if the engine is or becomes dead. Leaving early (break,
+        With `keepalive_s` > 0, yields IDLE (-1, None) after each keepalive_s without a delta.
+
+        Raises EngineDeadError if the engine is or becomes dead, StreamCut if this frontend
+        ends the request (Overflow past max_pending unsent deltas). Leaving early (break,
         aclose, cancellation) aborts the choices still running.
         """
         if not self.healthy:
@@ -188,19 +240,31 @@ class EngineClient:
             for rid, p in zip(ids, params, strict=True):
                 self._send(
                     AddRequest(
-                        rid, self.frontend_id, prompt_token_ids, p, arrival, tenant, priority
+                        rid, self.frontend_id, prompt_token_ids, p, arrival, tenant, priority, label
                     )
                 )
+            loop = asyncio.get_running_loop()
             while running:
-                items = [await queue.get()]
+                if keepalive_s > 0 and queue.empty():
+                    timer = loop.call_later(keepalive_s, queue.put_nowait, _IDLE)
+                    items = [await queue.get()]
+                    timer.cancel()
+                else:
+                    items = [await queue.get()]
                 while not queue.empty():  # the consumer fell behind: take all that waits
                     items.append(queue.get_nowait())
-                for delta, self.last_received in _coalesced(items):
+                deltas = [item for item in items if isinstance(item, tuple)]
+                for delta, self.last_received in _coalesced(deltas):
                     if delta.finish_reason is not None:
                         running.discard(delta.request_id)
                     yield index[delta.request_id], delta
-                if any(item is _DEAD for item in items):
-                    raise EngineDeadError(self.dead_reason)
+                for item in items:
+                    if item is _DEAD:
+                        raise EngineDeadError(self.dead_reason)
+                    if isinstance(item, StreamCut):
+                        raise item
+                if not deltas and running and any(item is _IDLE for item in items):
+                    yield IDLE  # type: ignore[misc]
         finally:
             for rid in ids:
                 self._queues.pop(rid, None)
@@ -253,7 +317,7 @@ class ZmqEngineClient(EngineClient):
 
     def __init__(self, config: EngineConfig, frontend_id: int, ctx: zmq.Context) -> None:
         self._sender: Sender[CoreInput] = Sender(ctx, config.ipc(CORE_IN))
-        super().__init__(frontend_id, self._sender.send)
+        super().__init__(frontend_id, self._sender.send, config.stream_buffer_events)
         self._actx = zmq.asyncio.Context()
         self._receiver: AsyncReceiver[FrontendInput] = AsyncReceiver(
             self._actx, config.ipc(frontend_socket(frontend_id)), FrontendInput

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import re
+from typing import TypeVar
 
 import msgspec
+
+T = TypeVar("T")
 
 
 class ErrorInfo(msgspec.Struct):
@@ -83,3 +86,19 @@ def from_decode_error(exc: msgspec.DecodeError) -> ApiError:
         path = f"{path}.{field}" if path else field
     where = f" (at {path})" if path else ""
     return bad_request(f"{text}{where}", param=path)
+
+
+def decode_body(decoder: msgspec.json.Decoder[T], raw: bytes) -> T:
+    """The request body decoded, or a 400 naming what is wrong with it (never a 500)."""
+    try:
+        return decoder.decode(raw)
+    except msgspec.DecodeError as exc:
+        raise from_decode_error(exc) from None
+    except UnicodeDecodeError as exc:
+        raise bad_request(
+            f"request body is not valid UTF-8: byte {exc.start} ({exc.reason})", code="invalid_utf8"
+        ) from None
+    except RecursionError:
+        raise bad_request(
+            "request body is nested too deeply to decode", code="json_too_deep"
+        ) from None

@@ -5,6 +5,7 @@ Both endpoints share this; they differ only in how a choice or a chunk is shaped
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
@@ -14,12 +15,21 @@ from typing import Protocol
 from gapless.core.common.messages import SamplingParams, TextDelta, TokenLogprob
 from gapless.frontend import metrics
 from gapless.frontend.admission import Admission
-from gapless.frontend.asgi import ClientGone, HttpRequest, Responder, unless_disconnected
-from gapless.frontend.engine_client import EngineDeadError
+from gapless.frontend.asgi import (
+    ClientGone,
+    HttpRequest,
+    RequestStats,
+    Responder,
+    SlowReader,
+    unless_disconnected,
+)
+from gapless.frontend.engine_client import EngineDeadError, Overflow, StreamCut
 from gapless.frontend.errors import ApiError, engine_unavailable
 from gapless.frontend.queue_view import Ticket
 from gapless.frontend.responses import Usage
 from gapless.frontend.state import FrontendState
+
+log = logging.getLogger("gapless.frontend")
 
 
 @dataclass
@@ -32,6 +42,8 @@ class Job:
     priority: int
     arrival_time: float  # time.time()
     ticket: Ticket  # its place in the admission count
+    label: str = ""  # the X-Request-Id, carried to the engine for its logs
+    stats: RequestStats = field(default_factory=RequestStats)  # for the access line
 
 
 @dataclass
@@ -72,13 +84,20 @@ def failure(delta: TextDelta, admission: Admission) -> ApiError | None:
     return None
 
 
+def cut_error(cut: StreamCut) -> ApiError:
+    return ApiError(503, str(cut), code="drain_timeout")
+
+
 def usage_of(job: Job, num_output_tokens: list[int]) -> Usage:
     completion = sum(num_output_tokens)
     return Usage(len(job.prompt_ids), completion, len(job.prompt_ids) + completion)
 
 
-async def _deltas(state: FrontendState, job: Job) -> AsyncIterator[tuple[int, TextDelta]]:
-    """The engine's deltas for the job, with failures raised as ApiError and metrics observed."""
+async def _deltas(
+    state: FrontendState, job: Job, keepalive_s: float = 0.0
+) -> AsyncIterator[tuple[int, TextDelta]]:
+    """The engine's deltas for the job, with failures raised as ApiError and metrics observed
+    (and, with keepalive_s, engine_client.IDLE when none came for that long)."""
     observer = metrics.observer
     observer.arrived(job.endpoint, len(job.prompt_ids))
     first = True
@@ -93,15 +112,21 @@ async def _deltas(state: FrontendState, job: Job) -> AsyncIterator[tuple[int, Te
         priority=job.priority,
         arrival_time=job.arrival_time,
         ticket=job.ticket,
+        keepalive_s=keepalive_s,
+        label=job.label,
     )
     try:
         async with aclosing(stream):
             async for index, delta in stream:
+                if index < 0:  # IDLE
+                    yield index, delta
+                    continue
                 if delta.token_ids:
                     now = time.perf_counter()
                     if first:
                         first = False
-                        observer.first_token(job.endpoint, time.time() - job.arrival_time)
+                        job.stats.ttft_s = time.time() - job.arrival_time
+                        observer.first_token(job.endpoint, job.stats.ttft_s)
                     elif last[index]:
                         observer.delta(now - last[index], len(delta.token_ids))
                     last[index] = now
@@ -114,6 +139,9 @@ async def _deltas(state: FrontendState, job: Job) -> AsyncIterator[tuple[int, Te
     except EngineDeadError as exc:
         raise engine_unavailable(str(exc)) from None
     finally:
+        job.stats.prompt_tokens = len(job.prompt_ids)
+        job.stats.completion_tokens = sum(outputs)
+        job.stats.finish_reason = reason
         observer.finished(job.endpoint, time.time() - job.arrival_time, sum(outputs), reason)
 
 
@@ -138,19 +166,40 @@ async def stream(
     with the first delta, so a failure before it still gets a proper HTTP status."""
     opened = [False] * len(job.params)
     outputs = [0] * len(job.params)
+    ended = [False] * len(job.params)
     observer = metrics.observer
     engine = state.engine
-    async with aclosing(_deltas(state, job)) as deltas:
-        async for index, delta in deltas:
-            received = engine.last_received  # read before the first await below
-            if not opened[index]:
-                opened[index] = True
-                opening = fmt.opening(index)
-                if opening is not None:
-                    await out.event(opening)
-            outputs[index] = delta.num_output_tokens
-            await out.event(fmt.delta(index, delta))
-            observer.streamed(time.perf_counter() - received)
+    keepalive_s = state.config.sse_keepalive_s
+    try:
+        async with aclosing(_deltas(state, job, keepalive_s)) as deltas:
+            async for index, delta in deltas:
+                if index < 0:  # nothing came for keepalive_s
+                    await out.comment()
+                    continue
+                received = engine.last_received  # read before the first await below
+                if not opened[index]:
+                    opened[index] = True
+                    opening = fmt.opening(index)
+                    if opening is not None:
+                        await out.event(opening)
+                outputs[index] = delta.num_output_tokens
+                ended[index] = delta.finish_reason is not None
+                await out.event(fmt.delta(index, delta))
+                observer.streamed(time.perf_counter() - received)
+    except Overflow as cut:
+        raise SlowReader("buffer", str(cut)) from None
+    except StreamCut as cut:
+        # every choice still running gets its last chunk (finish_reason "abort"), then the
+        # stream ends with the error event and [DONE]
+        for index, done in enumerate(ended):
+            if done:
+                continue
+            if not opened[index] and (opening := fmt.opening(index)) is not None:
+                await out.event(opening)
+            rid = f"{job.request_id}-{index}"
+            last = TextDelta(rid, "", [], len(job.prompt_ids), outputs[index], "abort")
+            await out.event(fmt.delta(index, last))
+        raise cut_error(cut) from None
     if include_usage:
         await out.event(fmt.usage(usage_of(job, outputs)))
     await out.done()
@@ -168,11 +217,25 @@ async def respond(
     build: Callable[[list[ChoiceResult], Usage], object],
 ) -> None:
     """Streams or answers whole; a client that disconnects first aborts the engine requests."""
+    job.label, job.stats = req.request_id, req.stats
     try:
         if streaming:
-            await unless_disconnected(req.receive, stream(state, job, out, fmt, include_usage))
+            await unless_disconnected(
+                req.receive,
+                stream(state, job, out, fmt, include_usage),
+                out,
+                state.config.stream_write_timeout_s,
+            )
             return
         choices = await unless_disconnected(req.receive, collect(state, job))
+    except SlowReader as slow:
+        # the engine requests were aborted as the stream's work ended; nothing more can be sent
+        log.warning("request %s aborted, its client is not reading: %s", job.request_id, slow)
+        if slow.reason == "write_timeout":  # an overflow was counted where it was seen
+            metrics.observer.slow_client(slow.reason)
+        raise ClientGone from None
+    except StreamCut as cut:
+        raise cut_error(cut) from None
     except ClientGone:
         metrics.observer.aborted(job.endpoint)
         raise

@@ -39,6 +39,9 @@ class RequestObserver:
     def rejected(self, reason: str) -> None:
         pass
 
+    def slow_client(self, reason: str) -> None:
+        """A stream aborted because its client stopped reading: "buffer" or "write_timeout"."""
+
 
 class PrometheusObserver(RequestObserver):
     def __init__(self, series: FrontendMetrics | None = None) -> None:
@@ -76,6 +79,9 @@ class PrometheusObserver(RequestObserver):
 
     def rejected(self, reason: str) -> None:
         self.series.rejected.labels(reason).inc()
+
+    def slow_client(self, reason: str) -> None:
+        self.series.slow_clients.labels(reason).inc()
 
 
 observer = RequestObserver()

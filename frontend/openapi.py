@@ -6,6 +6,13 @@ from typing import Any
 
 import msgspec
 
+from gapless.core.common.config import (
+    MAX_PRIORITY,
+    MAX_TENANT_CHARS,
+    MIN_PRIORITY,
+    PRIORITY_NAMES,
+    EngineConfig,
+)
 from gapless.frontend.errors import ErrorResponse
 from gapless.frontend.protocol import ChatCompletionRequest, CompletionRequest
 from gapless.frontend.responses import (
@@ -56,7 +63,63 @@ def _get(schema: str, summary: str, *errors: int) -> dict[str, Any]:
     return {"get": {"summary": summary, "responses": {"200": ok, **_errors(*errors)}}}
 
 
-def openapi_document(title: str, version: str) -> dict[str, Any]:
+_INT64 = 2**63
+
+
+def _ranges(config: EngineConfig) -> dict[str, dict[str, Any]]:
+    """field -> constraints per JSON type, as frontend.params checks them (the limits of the
+    running config included), so a schema fuzzer generates what the server accepts."""
+    vocab_id = {"minimum": 0, "maximum": config.model.vocab_size - 1}
+    logprobs = {"integer": {"minimum": 0, "maximum": config.max_logprobs}}
+    budget = {"integer": {"minimum": 1, "maximum": config.model.max_model_len}}
+    return {
+        "max_tokens": budget,
+        "max_completion_tokens": budget,
+        "temperature": {"number": {"minimum": 0, "maximum": 2}},
+        "top_p": {"number": {"exclusiveMinimum": 0, "maximum": 1}},
+        "min_p": {"number": {"minimum": 0, "maximum": 1}},
+        "top_k": {"integer": {"minimum": -1}},
+        "n": {"integer": {"minimum": 1, "maximum": config.max_n}},
+        "presence_penalty": {"number": {"minimum": -2, "maximum": 2}},
+        "frequency_penalty": {"number": {"minimum": -2, "maximum": 2}},
+        "repetition_penalty": {"number": {"exclusiveMinimum": 0, "maximum": 10}},
+        "seed": {"integer": {"minimum": -_INT64, "maximum": _INT64 - 1}},
+        "logprobs": logprobs,
+        "top_logprobs": logprobs,
+        "stop": {
+            "string": {"minLength": 1},
+            "array": {"maxItems": config.max_stop_strings, "items": {"minLength": 1}},
+        },
+        "stop_token_ids": {"array": {"items": vocab_id}},
+        "priority": {
+            "integer": {"minimum": MIN_PRIORITY, "maximum": MAX_PRIORITY},
+            "string": {"enum": sorted(PRIORITY_NAMES)},
+        },
+        "user": {
+            "string": {"maxLength": MAX_TENANT_CHARS, "pattern": "^[^\\x00-\\x1f\\x7f-\\x9f]*$"}
+        },
+        "prompt": {"string": {"minLength": 1}, "array": {"minItems": 1}},
+        "messages": {"array": {"minItems": 1}},
+    }
+
+
+def _constrain(schema: dict[str, Any], by_type: dict[str, dict[str, Any]]) -> None:
+    for option in schema.get("anyOf", [schema]):
+        extra = by_type.get(option.get("type", ""))
+        if extra is None:
+            continue
+        for key, value in extra.items():
+            if key == "items" and "items" in option:
+                option["items"].update(value)
+            else:
+                option[key] = value
+
+
+def openapi_document(
+    title: str, version: str, config: EngineConfig | None = None
+) -> dict[str, Any]:
+    """The API's description; with `config`, value ranges as that server checks them, and
+    bearer auth only when it has keys."""
     types = [
         CompletionRequest,
         Completion,
@@ -68,9 +131,14 @@ def openapi_document(title: str, version: str) -> dict[str, Any]:
         ErrorResponse,
     ]
     _, components = msgspec.json.schema_components(types, ref_template=_REF)
+    if config is not None:
+        ranges = _ranges(config)
+        for name in ("CompletionRequest", "ChatCompletionRequest"):
+            for field, schema in components[name]["properties"].items():
+                if field in ranges:
+                    _constrain(schema, ranges[field])
     health = _get("Health", "200 while the engine is alive, else 503", 503)
-    health["get"]["security"] = []  # why: probes carry no key
-    return {
+    doc = {
         "openapi": "3.1.0",
         "info": {"title": title, "version": version},
         "paths": {
@@ -86,9 +154,10 @@ def openapi_document(title: str, version: str) -> dict[str, Any]:
                 "get": {"summary": "this document", "responses": {"200": {"description": "ok"}}}
             },
         },
-        "components": {
-            "schemas": components,
-            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
-        },
-        "security": [{"bearer": []}],
+        "components": {"schemas": components},
     }
+    if config is None or config.api_key or config.api_keys:
+        doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        doc["security"] = [{"bearer": []}]
+        health["get"]["security"] = []  # why: probes carry no key
+    return doc

@@ -118,7 +118,7 @@ class ModelList(msgspec.Struct, kw_only=True):
 
 
 class Health(msgspec.Struct):
-    status: str  # "ok", "draining" (SIGTERM came) or "dead"
+    status: str  # "ok", "draining" (SIGTERM came), "unresponsive" (no core heartbeat) or "dead"
     reason: str | None = None
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import signal
 import socket
 import threading
@@ -17,23 +18,78 @@ import uvloop
 import zmq
 
 from gapless.core.common.config import EngineConfig
-from gapless.core.common.process import ControlReporter, stop_requested
+from gapless.core.common.process import ControlReporter, parent_gone, stop_requested
 from gapless.frontend import metrics
 from gapless.frontend.admission import Admission
 from gapless.frontend.app import App
 from gapless.frontend.engine_client import ZmqEngineClient
+from gapless.frontend.http import head_limited
 from gapless.frontend.prompts import Prompter
 from gapless.frontend.state import FrontendState
 
+log = logging.getLogger("gapless.frontend")
+
+
+# s: what SIGTERM's drain leaves uvicorn, after the streams still running were cut, to write
+# their last events and close
+CUT_GRACE_S = 2.0
+PARENT_POLL_S = 0.1  # how often the frontend looks for its supervisor
+
 
 class _Server(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, admission: Admission) -> None:
+    """uvicorn with gapless's staged exit: SIGTERM drains for drain_timeout_s, then cuts what
+    still runs (each stream ends with an error event); the supervisor's death ends every
+    stream at once."""
+
+    def __init__(
+        self,
+        config: uvicorn.Config,
+        admission: Admission,
+        engine: ZmqEngineClient,
+        drain_timeout_s: float,
+    ) -> None:
         super().__init__(config)
         self.admission = admission
+        self.engine = engine
+        self.drain_timeout_s = drain_timeout_s
+        self.loop = asyncio.get_running_loop()
+        self.cut_timer: asyncio.TimerHandle | None = None
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # a signal handler: what touches the loop is handed to it
+        if parent_gone():  # PR_SET_PDEATHSIG: the supervisor died, nothing is left to drain for
+            self.loop.call_soon_threadsafe(self.supervisor_gone)
+            return
         self.admission.draining = True  # new requests that still reach the app get 503
+        if self.cut_timer is None:
+            self.loop.call_soon_threadsafe(self._arm_cut)
         super().handle_exit(sig, frame)
+
+    def _arm_cut(self) -> None:
+        if self.cut_timer is None:
+            self.cut_timer = self.loop.call_later(self.drain_timeout_s, self.cut)
+
+    def cut(self) -> None:
+        """The drain ran out of time: end every request still in flight here."""
+        reason = f"the server is shutting down: the {self.drain_timeout_s:g} s drain ran out"
+        n = self.engine.cut_all(reason)
+        if n:
+            log.warning("drain timeout: ended %d request(s) still in flight", n)
+
+    def supervisor_gone(self) -> None:
+        if self.engine.healthy:
+            log.error("the supervisor exited; ending every request and stopping")
+            self.engine.mark_dead("the server's supervisor exited; the engine is stopping")
+        self.admission.draining = True
+        self.should_exit = True
+        # streams are ending with their error events; idle keep-alive connections close now
+        self.config.timeout_graceful_shutdown = CUT_GRACE_S  # type: ignore[assignment]
+
+    async def watch_parent(self) -> None:
+        """Notices the supervisor's death without any signal (a liveness poll of our ppid)."""
+        while not parent_gone():
+            await asyncio.sleep(PARENT_POLL_S)
+        self.supervisor_gone()
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -86,12 +142,16 @@ async def serve(
         uvicorn.Config(
             app,
             loop="uvloop",
-            http="httptools",
+            http=head_limited(config.max_head_bytes),
             lifespan="off",
-            timeout_graceful_shutdown=config.drain_timeout_s,  # type: ignore[arg-type]
+            # why the grace: our own cut at drain_timeout_s ends the streams with an error
+            # event; uvicorn's cancel, past this, would end them with nothing
+            timeout_graceful_shutdown=config.drain_timeout_s + CUT_GRACE_S,  # type: ignore[arg-type]
             log_level="warning",
         ),
         app.state.admission,
+        engine,
+        config.drain_timeout_s,
     )
 
     def exit_soon(reason: str) -> None:
@@ -99,17 +159,18 @@ async def serve(
 
     engine.on_dead(exit_soon)
     sock = bind_socket(config.host, config.port)
+    watcher = loop.create_task(server.watch_parent(), name="parent-watch")
     try:
         serving = loop.create_task(server.serve(sockets=[sock]), name="uvicorn")
         while not server.started and not serving.done():
             await asyncio.sleep(0.01)
         if stop_requested():  # SIGTERM came before uvicorn took the signal over
-            app.state.admission.draining = True
-            server.should_exit = True
+            server.handle_exit(signal.SIGTERM, None)
         if server.started and reporter is not None:
             reporter.ready(frontend_id=frontend_id, port=sock.getsockname()[1])
         await serving
     finally:
+        watcher.cancel()
         sock.close()
         await engine.close()
         executor.shutdown(wait=False, cancel_futures=True)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import struct
 
+from gapless.shm.names import check_ring_name
 from gapless.shm.ring import ShmRing
 
 MARK = 0xC1
@@ -55,31 +56,51 @@ class RingWriter:
         self.ring.close()
 
 
-class RingReader:
-    """Consumer side of one socket: the rings its frames name, by name."""
+class BadRef(ValueError):
+    """A reference frame that names no ring of ours or no record in it; the frame is dropped."""
 
-    def __init__(self) -> None:
+
+class RingReader:
+    """Consumer side of one socket: the rings its frames name, by name. With `run_id`, only
+    rings of that run are attached."""
+
+    def __init__(self, run_id: str | None = None) -> None:
         self._rings: dict[bytes, ShmRing] = {}
+        self._run_id = run_id
 
     def open(self, buf: memoryview) -> tuple[ShmRing, memoryview] | None:
         """The payload a reference frame points at, or None for an announcement. Release the
-        view, then the ring, once the payload is decoded."""
+        view, then the ring, once the payload is decoded. BadRef for a frame that is not one
+        of ours (a malformed header, a foreign or unsafe name, an unannounced ring)."""
+        if len(buf) < _REF.size:
+            raise BadRef(f"a reference frame of {len(buf)} bytes")
         _, kind, pos, length = _REF.unpack_from(buf)
         name = bytes(buf[_REF.size :])
         if kind == ANNOUNCE:
             if name not in self._rings:
                 try:
-                    self._rings[name] = ShmRing.attach(name.decode())
+                    ring_name = check_ring_name(name.decode(), self._run_id)
+                except (UnicodeDecodeError, ValueError) as e:
+                    raise BadRef(f"announcement of {name[:100]!r}: {e}") from None
+                try:
+                    self._rings[name] = ShmRing.attach(ring_name)
                 except FileNotFoundError:
                     # why: the producer closed (or a cleanup ran) first; it never saw us
                     # attach, so it sends everything inline and nothing is lost
                     pass
+                except (OSError, ValueError) as e:
+                    raise BadRef(f"cannot attach {ring_name}: {e}") from None
             return None
+        if kind != RECORD:
+            raise BadRef(f"reference of unknown kind {kind}")
         ring = self._rings.get(name)
-        assert ring is not None, f"record in ring {name!r}, which was never announced"
+        if ring is None:
+            raise BadRef(f"record in ring {name[:100]!r}, which was never announced")
         got = ring.read()
-        assert got is not None and got[0] == pos, f"ring {name!r}: expected record at {pos}"
-        assert len(got[1]) == length, f"ring {name!r}: record at {pos} is not {length} bytes"
+        # why not assert: a stray frame must not stop the consumer; the record a wrong
+        # reference points past stays unread for the real reference that follows
+        if got is None or got[0] != pos or len(got[1]) != length:
+            raise BadRef(f"ring {name!r}: no record of {length} bytes at {pos}")
         return ring, got[1]
 
     def close(self) -> None:

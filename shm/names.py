@@ -28,6 +28,20 @@ def ring_name(run_id: str, channel: str) -> str:
     return f"{PREFIX}{run_id}-{_safe(channel)}-{os.getpid()}-{next(_counter)}"
 
 
+_RING_NAME = re.compile(r"gapless-[A-Za-z0-9_.-]+")
+
+
+def check_ring_name(name: str, run_id: str | None = None) -> str:
+    """`name` if it can be one of our segments (of run `run_id`, when given): our prefix and
+    only [A-Za-z0-9_.-] after it, so joined to SHM_DIR it names a file there and nowhere else.
+    ValueError otherwise."""
+    if not _RING_NAME.fullmatch(name) or name in (".", ".."):
+        raise ValueError(f"{name!r} is not a gapless ring name")
+    if run_id is not None and not name.startswith(f"{PREFIX}{_safe(run_id)}-"):
+        raise ValueError(f"ring {name!r} is not of run {run_id}")
+    return name
+
+
 def _safe(part: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", part)
 

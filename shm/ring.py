@@ -31,7 +31,7 @@ import os
 import time
 import weakref
 
-from gapless.shm.names import SHM_DIR
+from gapless.shm.names import SHM_DIR, check_ring_name
 
 HEADER_BYTES = 256
 MAGIC = int.from_bytes(b"gapring1", "little")
@@ -84,7 +84,7 @@ class ShmRing:
     def create(cls, name: str, capacity: int) -> ShmRing:
         """Producer: a new segment with `capacity` data bytes (a multiple of 8)."""
         assert capacity >= 64 and capacity % 8 == 0, f"bad ring capacity {capacity}"
-        path = os.path.join(SHM_DIR, name)
+        path = os.path.join(SHM_DIR, check_ring_name(name))
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             try:
@@ -105,9 +105,13 @@ class ShmRing:
     @classmethod
     def attach(cls, name: str) -> ShmRing:
         """Consumer: map an existing segment and tell its producer, which may then unlink it."""
-        fd = os.open(os.path.join(SHM_DIR, name), os.O_RDWR)
+        path = os.path.join(SHM_DIR, check_ring_name(name))
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
         try:
-            mm = mmap.mmap(fd, os.fstat(fd).st_size)
+            size = os.fstat(fd).st_size
+            if size < HEADER_BYTES + 64:
+                raise ValueError(f"{name} is not a gapless ring ({size} bytes)")
+            mm = mmap.mmap(fd, size)
         finally:
             os.close(fd)
         ring = cls(name, mm, is_producer=False)

@@ -9,6 +9,7 @@ socket. Every receiver reads both kinds of frame: there is nothing to enable on 
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from typing import Generic, TypeVar
@@ -16,10 +17,12 @@ from typing import Generic, TypeVar
 import msgspec
 import zmq
 
-from gapless.shm.frames import RingReader, RingWriter, is_ref
+from gapless.core.common.metrics import bad_frames_counter
+from gapless.shm.frames import BadRef, RingReader, RingWriter, is_ref
 from gapless.shm.names import ring_name, run_id_of
 
 T = TypeVar("T")
+log = logging.getLogger("gapless.channel")
 
 _encoder = msgspec.msgpack.Encoder()
 
@@ -77,14 +80,41 @@ class Sender(Generic[T]):
             self._ring = None
 
 
-class _Decoding(Generic[T]):
-    """Frame -> message, following ring references; None for a frame that carries none."""
+_BAD_FRAME_ERRORS = (msgspec.DecodeError, BadRef, UnicodeDecodeError, RecursionError)
 
-    def __init__(self, union: type[T]) -> None:
+
+class _Decoding(Generic[T]):
+    """Frame -> message, following ring references; None for a frame that carries none.
+
+    A frame that is not a message of the channel's union (undecodable, a reference to no ring
+    of this run) is dropped: logged, counted in gapless_bad_frames_total{socket}, and the
+    process goes on. Only this user's processes can reach the sockets, but one stray frame
+    must not stop the engine.
+    """
+
+    def __init__(self, union: type[T], address: str) -> None:
         self._decoder = msgspec.msgpack.Decoder(union)
-        self._rings = RingReader()
+        path = address.removeprefix("ipc://")
+        self.socket_name = os.path.basename(path) or address
+        run_id = run_id_of(os.path.dirname(path)) if address.startswith("ipc://") else None
+        self._rings = RingReader(run_id)
+        self._bad = bad_frames_counter().labels(self.socket_name)
+        self.num_bad = 0
 
     def decode(self, buf: memoryview) -> T | None:
+        try:
+            return self._decode(buf)
+        except _BAD_FRAME_ERRORS as e:
+            self.num_bad += 1
+            self._bad.inc()
+            if self.num_bad <= 10 or self.num_bad % 1000 == 0:  # why: a flood must not flood logs
+                log.warning(
+                    "dropped a malformed frame of %d bytes on %s (%d so far): %s: %s",
+                    len(buf), self.socket_name, self.num_bad, type(e).__name__, e,
+                )  # fmt: skip
+            return None
+
+    def _decode(self, buf: memoryview) -> T | None:
         if not is_ref(buf):
             return self._decoder.decode(buf)
         got = self._rings.open(buf)
@@ -111,7 +141,7 @@ class Receiver(Generic[T]):
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.RCVHWM, 0)
         (self.socket.bind if bind else self.socket.connect)(address)
-        self._decoding = _Decoding(union)
+        self._decoding = _Decoding(union, address)
 
     def recv(self, timeout_ms: int | None = None) -> T | None:
         """One message, or None when none came within timeout_ms (None blocks forever)."""
@@ -150,7 +180,7 @@ class AsyncReceiver(Generic[T]):
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.RCVHWM, 0)
         (self.socket.bind if bind else self.socket.connect)(address)
-        self._decoding = _Decoding(union)
+        self._decoding = _Decoding(union, address)
 
     async def recv(self) -> T:
         while True:

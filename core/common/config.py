@@ -11,6 +11,8 @@ import msgspec
 Device = Literal["cpu", "sim", "cuda"]
 DType = Literal["bfloat16", "float32", "float16"]
 SchedulingPolicy = Literal["fair", "priority", "fcfs"]
+LogLevel = Literal["debug", "info", "warning", "error"]
+LogFormat = Literal["text", "json"]
 NOT_A_FLAG = msgspec.Meta(extra={"flag": False})  # a field `gapless serve` has no flag for
 
 # a request's priority: lower runs sooner (vLLM's convention); names are aliases
@@ -210,7 +212,35 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_logprobs: Annotated[
         int, msgspec.Meta(description="most alternative logprobs per token a request may ask for")
     ] = 20
+    stream_buffer_events: Annotated[
+        int,
+        msgspec.Meta(
+            description="events a stream may hold unsent before its request is aborted as a "
+            "slow reader (its KV freed)",
+            ge=1,
+            extra={"metavar": "N"},
+        ),
+    ] = 1024
+    stream_write_timeout_s: Annotated[
+        float,
+        msgspec.Meta(
+            description="seconds one write to a stream may wait for the client to read before "
+            "the request is aborted as a slow reader",
+            gt=0,
+            extra={"flag": "stream-write-timeout", "metavar": "S"},
+        ),
+    ] = 30.0
+    sse_keepalive_s: Annotated[
+        float,
+        msgspec.Meta(
+            description="send an SSE comment after this many seconds without an event, so "
+            "proxies keep a waiting stream open (0: never)",
+            ge=0,
+            extra={"flag": "sse-keepalive", "metavar": "S"},
+        ),
+    ] = 15.0
     max_body_bytes: Annotated[int, NOT_A_FLAG] = 4 * 2**20
+    max_head_bytes: Annotated[int, NOT_A_FLAG] = 64 * 2**10  # request line + headers; 431 past it
     max_stop_strings: Annotated[int, NOT_A_FLAG] = 16
     chat_template_timeout_s: Annotated[float, NOT_A_FLAG] = 2.0
     # lifecycle
@@ -222,6 +252,21 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             extra={"flag": "drain-timeout"},
         ),
     ] = 30.0
+    log_level: Annotated[
+        LogLevel, msgspec.Meta(description="the least severe log lines every process writes")
+    ] = "info"
+    log_format: Annotated[
+        LogFormat,
+        msgspec.Meta(description="text: one readable line per record; json: one JSON object"),
+    ] = "text"
+    stats_interval_s: Annotated[
+        float,
+        msgspec.Meta(
+            description="while requests run, the core logs a stats line this often (0: never)",
+            ge=0,
+            extra={"flag": "stats-interval", "metavar": "S"},
+        ),
+    ] = 10.0
     # how long /health says 503 before serve exits
     dead_engine_grace_s: Annotated[float, NOT_A_FLAG] = 3.0
     # tenants (cli.py adds --tenant-weight NAME=W, which sets TenantSpec.weight)

@@ -61,6 +61,7 @@ class AddRequest(_Msg):
     arrival_time: float  # time.time() when the HTTP request arrived
     tenant: str = ""
     priority: int = 0  # in [-1000, 1000], lower runs sooner: -10 interactive, 0 default, 10 batch
+    label: str = ""  # the client's X-Request-Id (or one made up), for logs; clients reuse ids
 
 
 class Abort(_Msg):
@@ -242,6 +243,15 @@ class EngineDead(_Msg):
     reason: str
 
 
+class Heartbeat(_Msg):
+    """The core's busy loop is turning: sent to every frontend every HEARTBEAT_INTERVAL_S.
+    A frontend that hears none for HEARTBEAT_TIMEOUT_S answers /health with 503."""
+
+
+HEARTBEAT_INTERVAL_S = 0.5
+HEARTBEAT_TIMEOUT_S = 3.0
+
+
 class EngineStats(_Msg):
     token: int
     num_running: int
@@ -301,7 +311,7 @@ class QueueState(_Msg):
 
 QUEUE_STATE_INTERVAL_S = 0.02
 
-FrontendInput = TextDeltas | EngineDead | EngineStats | Timeline | QueueState
+FrontendInput = TextDeltas | EngineDead | EngineStats | Timeline | QueueState | Heartbeat
 
 
 # ---------------------------------------------------------------- every process -> supervisor

@@ -101,6 +101,31 @@ class BatchedHistogram:
         self._hist._sum.inc(float(values.sum()))  # type: ignore[attr-defined]
 
 
+_bad_frames: Counter | None = None
+
+
+def write_to(metrics_dir: str) -> None:
+    """Make this process's series from now on files in metrics_dir, as a child's are (for the
+    supervisor, which imported prometheus_client before its run directory existed)."""
+    from prometheus_client import values
+
+    os.environ[MULTIPROC_ENV] = metrics_dir
+    values.ValueClass = values.get_value_class()
+
+
+def bad_frames_counter() -> Counter:
+    """`gapless_bad_frames_total{socket}`: frames an internal socket dropped as malformed. One
+    per process, in the default registry (multiprocess under `gapless serve`)."""
+    global _bad_frames
+    if _bad_frames is None:
+        _bad_frames = Counter(
+            "gapless_bad_frames",
+            "Frames an internal socket dropped because they were not a message of its channel",
+            ["socket"],
+        )
+    return _bad_frames
+
+
 def render(registry: CollectorRegistry | None = None) -> bytes:
     """The text exposition: every process's files when multiprocess, else `registry`."""
     if registry is None:
@@ -156,6 +181,13 @@ class FrontendMetrics:
         self.rejected = Counter(
             "gapless_requests_rejected",
             "HTTP requests answered with a 4xx, by error code",
+            ["reason"],
+            registry=r,
+        )
+        self.slow_clients = Counter(
+            "gapless_slow_clients",
+            "Streams aborted because the client stopped reading: buffer (too many events "
+            "unsent) or write_timeout",
             ["reason"],
             registry=r,
         )

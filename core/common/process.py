@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -13,7 +14,9 @@ import zmq
 
 from gapless.core.common.channel import Sender
 from gapless.core.common.config import CONFIG_ENV, EngineConfig, decode_config
+from gapless.core.common.logs import setup_logging
 from gapless.core.common.messages import ControlMessage, Fatal, Ready
+from gapless.shm import names as shm
 
 # ipc socket names inside the run directory; the receiving side binds
 CORE_IN = "core_in"  # frontends and detokenizer -> core
@@ -23,11 +26,15 @@ DETOK_IN = "detok_in"  # core -> detokenizer
 CONTROL = "control"  # every process -> supervisor
 
 
+ROLE_NAMES = {"gpu_runner": "runner", "detokenizer": "detok"}  # as logs name them
+
+
 def frontend_socket(frontend_id: int) -> str:
     return f"frontend_{frontend_id}"
 
 
 _stop = threading.Event()
+_parent_pid: int | None = None  # the supervisor, as child_setup found it
 
 
 def stop_requested() -> bool:
@@ -41,9 +48,25 @@ def _die_with_parent() -> None:
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+def parent_gone() -> bool:
+    """True once the supervisor that started this process has exited (we were re-parented)."""
+    return _parent_pid is not None and os.getppid() != _parent_pid
+
+
+def remove_run(config: EngineConfig) -> None:
+    """Remove the run directory and the run's shared-memory rings: what a supervisor that died
+    could not. Every process left does it as it exits; the last one leaves nothing."""
+    if config.run_dir:
+        shutil.rmtree(config.run_dir, ignore_errors=True)
+        shm.cleanup_run(shm.run_id_of(config.run_dir))
+
+
 def child_setup(role: str) -> EngineConfig:
     """Call first in a child: returns the config and arms signals. SIGINT is the supervisor's."""
+    global _parent_pid
     config = decode_config(os.environ[CONFIG_ENV])
+    _parent_pid = os.getppid()
+    setup_logging(config.log_level, config.log_format, ROLE_NAMES.get(role, role))
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: _stop.set())

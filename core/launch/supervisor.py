@@ -4,6 +4,7 @@ and shuts them down in stages."""
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
 import signal
@@ -17,8 +18,10 @@ import msgspec
 import zmq
 
 from gapless import shm
+from gapless.core.common import metrics
 from gapless.core.common.channel import Receiver, Sender
 from gapless.core.common.config import CONFIG_ENV, EngineConfig, encode_config
+from gapless.core.common.logs import setup_logging
 from gapless.core.common.messages import ControlMessage, EngineDead, Fatal, Ready, Shutdown
 from gapless.core.common.metrics import MULTIPROC_ENV
 from gapless.core.common.process import CONTROL, CORE_IN, DETOK_IN, RUNNER_IN, frontend_socket
@@ -28,8 +31,11 @@ ENGINE_ROLES = ("gpu_runner", "core", "detokenizer")
 RUN_PREFIX = "gapless-"
 
 
+log = logging.getLogger("gapless.supervisor")
+
+
 def _log(msg: str) -> None:
-    print(f"gapless: {msg}", file=sys.stderr, flush=True)
+    log.info(msg)
 
 
 def make_run_dir() -> str:
@@ -53,15 +59,16 @@ class EngineFailed(Exception):
 class Supervisor:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        # every process writes its Prometheus series here; removed with the run directory
+        self.metrics_dir = os.path.join(config.run_dir, "metrics")
+        os.makedirs(self.metrics_dir, mode=0o700, exist_ok=True)
+        metrics.write_to(self.metrics_dir)  # the control socket's bad-frame count, say
         self.ctx = zmq.Context()
         self.control: Receiver[ControlMessage] = Receiver(
             self.ctx, config.ipc(CONTROL), ControlMessage
         )
         self.procs: dict[str, subprocess.Popen] = {}
         self.stopping = False
-        # every child writes its Prometheus series here; removed with the run directory
-        self.metrics_dir = os.path.join(config.run_dir, "metrics")
-        os.makedirs(self.metrics_dir, mode=0o700, exist_ok=True)
 
     def spawn(self, role: str, *args: str) -> None:
         env = dict(
@@ -153,6 +160,7 @@ def _wait_all(procs: list[subprocess.Popen], timeout: float) -> None:
 
 def serve(config: EngineConfig) -> int:
     """Runs the whole engine until SIGTERM/SIGINT (exit 0) or a process dies (exit 1)."""
+    setup_logging(config.log_level, config.log_format, "supervisor")
     config = msgspec.structs.replace(config, run_dir=make_run_dir())
     sup = Supervisor(config)
 
@@ -185,7 +193,7 @@ def serve(config: EngineConfig) -> int:
         if sup.stopping and str(e) == "stopped while starting":
             sup.close()
             return 0
-        _log(f"engine failed: {e}")
+        log.error(f"engine failed: {e}")
         sup.tell_frontends_dead(str(e))
         time.sleep(config.dead_engine_grace_s)
         sup.close()

@@ -6,7 +6,7 @@ import ctypes
 import os
 import sys
 
-from gapless.core.common.process import child_setup
+from gapless.core.common.process import child_setup, parent_gone, remove_run
 
 
 def _set_name(name: str) -> None:
@@ -22,9 +22,17 @@ NICE = {"detokenizer": 5, "frontend": 5}
 
 def main(argv: list[str]) -> None:
     role = argv[0]
-    config = child_setup(role)
+    config = child_setup(role if role != "frontend" else f"frontend{argv[1]}")
     if NICE.get(role):
         os.nice(NICE[role])
+    try:
+        _run(role, config, argv)
+    finally:
+        if parent_gone():  # the supervisor died (SIGKILL, say): nobody else cleans up
+            remove_run(config)
+
+
+def _run(role: str, config, argv: list[str]) -> None:
     if role == "core":
         from gapless.core.process import run_core
 

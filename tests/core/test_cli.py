@@ -56,7 +56,13 @@ FLAGS = {
     "--max-logprobs": "20",
     "--metrics-require-key": "off",
     "--max-n": "8",
+    "--stream-buffer-events N": "1024",
+    "--stream-write-timeout S": "30.0",
+    "--sse-keepalive S": "15.0",
     "--drain-timeout": "30.0",
+    "--log-level {debug,info,warning,error}": "info",
+    "--log-format {text,json}": "text",
+    "--stats-interval S": "10.0",
     "--api-keys-file FILE": None,
     "--tenant-weight NAME=W": "every tenant weighs 1",
 }

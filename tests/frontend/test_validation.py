@@ -204,3 +204,26 @@ async def test_internal_error_is_500_for_that_request_only(
 def test_request_head_keeps_last_header() -> None:
     scope = {"method": "GET", "path": "/", "headers": [(b"x-tenant", b"a"), (b"x-tenant", b"b")]}
     assert HttpRequest(scope, None).headers["x-tenant"] == "b"  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize(
+    "content, code",
+    [
+        (
+            b'{"prompt": "a", "messages": [], "metadata": ' + b"[" * 1000 + b"]" * 1000 + b"}",
+            "json_too_deep",
+        ),
+        (
+            b'{"prompt": "\xff\xfe", "messages": [{"role": "user", "content": "\xc3"}]}',
+            "invalid_utf8",
+        ),
+    ],
+    ids=["deep", "utf8"],
+)
+async def test_hostile_json_is_a_named_400(
+    client: httpx.AsyncClient, path: str, content: bytes, code: str
+) -> None:
+    r = await client.post(path, content=content)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == code

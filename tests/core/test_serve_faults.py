@@ -1,0 +1,160 @@
+"""`gapless serve` on the sim device under faults: stray frames on every internal socket, a
+core that stops, a supervisor killed with streams open; and each request counted once."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import zmq
+from prometheus_client.parser import text_string_to_metric_families
+
+from gapless.shm.frames import ANNOUNCE, MARK
+from tests.server import Server
+
+pytestmark = pytest.mark.slow
+
+SOCKETS = ("core_in", "runner_in", "runner_out", "detok_in", "frontend_0", "control")
+LONG = {"model": "sim", "prompt": "count", "max_tokens": 5000, "ignore_eos": True, "stream": True}
+
+
+def _serve(default_gguf: Path) -> Server:
+    return Server("--model", str(default_gguf), "--device", "sim", "--served-model-name", "sim")
+
+
+def _samples(server: Server, name: str) -> dict[tuple, float]:
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    return {
+        tuple(sorted(s.labels.items())): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == name
+    }
+
+
+def _shm(run_dir: str) -> list[str]:
+    run_id = os.path.basename(run_dir).removeprefix("gapless-")
+    return [p.name for p in Path("/dev/shm").glob(f"gapless-{run_id}-*")]
+
+
+def _stream(server: Server, events: list[str], ended: list[float]) -> threading.Thread:
+    def run() -> None:
+        try:
+            with httpx.stream("POST", server.url + "/v1/completions", json=LONG, timeout=30) as r:
+                for line in r.iter_lines():
+                    events.append(line)
+        except httpx.HTTPError as e:
+            events.append(f"transport error: {e}")
+        ended.append(time.monotonic())
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    while len(events) < 3 and thread.is_alive():
+        time.sleep(0.01)
+    return thread
+
+
+def test_stray_frames_are_dropped_counted_and_serving_goes_on(default_gguf) -> None:
+    s = _serve(default_gguf)
+    try:
+        run_dir = s.run_dir()
+        assert run_dir
+        ctx = zmq.Context()
+        junk = [b"\xff\xfe", b"\x93\x01\x02\x03", bytes([MARK, ANNOUNCE]) + bytes(12) + b"../../x"]
+        for name in SOCKETS:
+            push = ctx.socket(zmq.PUSH)
+            push.connect(f"ipc://{run_dir}/{name}")
+            for frame in junk:
+                push.send(frame)
+            push.close(linger=1000)
+        ctx.term()
+        body = {"model": "sim", "prompt": "still here", "max_tokens": 8, "ignore_eos": True}
+        r = httpx.post(s.url + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+        deadline = time.monotonic() + 5
+        while (bad := _samples(s, "gapless_bad_frames_total")) and time.monotonic() < deadline:
+            if all(bad.get((("socket", n),), 0) == len(junk) for n in SOCKETS):
+                break
+            time.sleep(0.1)
+        assert {dict(k)["socket"]: v for k, v in bad.items()} == dict.fromkeys(SOCKETS, 3.0)
+        assert httpx.get(s.url + "/health", timeout=2).status_code == 200
+    finally:
+        assert s.stop() == 0, s.read_log()
+    assert "Traceback" not in s.read_log(), s.read_log()
+
+
+def test_each_request_is_counted_once_per_finish(default_gguf) -> None:
+    s = _serve(default_gguf)
+    try:
+        base = {"model": "sim", "prompt": "hello", "ignore_eos": True}
+        httpx.post(s.url + "/v1/completions", json=dict(base, max_tokens=5), timeout=30)
+        r = httpx.post(
+            s.url + "/v1/completions", json=dict(base, max_tokens=50, stop=["e"]), timeout=30
+        )
+        assert r.json()["choices"][0]["finish_reason"] == "stop"
+        with httpx.stream("POST", s.url + "/v1/completions", json=LONG, timeout=30) as resp:
+            lines = resp.iter_lines()
+            for _ in range(5):
+                next(lines)
+        time.sleep(1.0)
+        finished = {dict(k)["finish_reason"]: v for k, v in _samples(
+            s, "gapless_requests_finished_total").items()}  # fmt: skip
+        assert finished == {"stop": 1, "length": 1, "abort": 1, "error": 0}
+    finally:
+        assert s.stop() == 0, s.read_log()
+
+
+def test_health_reflects_a_stopped_core(default_gguf) -> None:
+    s = _serve(default_gguf)
+    core = s.child_pids()["gapless-core"]
+    try:
+        assert httpx.get(s.url + "/health", timeout=2).status_code == 200
+        os.kill(core, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        while (r := httpx.get(s.url + "/health", timeout=2)).status_code == 200:
+            assert time.monotonic() - stopped_at < 5, "/health still 200 5 s after SIGSTOP"
+            time.sleep(0.1)
+        assert r.status_code == 503 and r.json()["status"] == "unresponsive", r.text
+        os.kill(core, signal.SIGCONT)
+        deadline = time.monotonic() + 5
+        while httpx.get(s.url + "/health", timeout=2).status_code != 200:
+            assert time.monotonic() < deadline, "/health did not recover after SIGCONT"
+            time.sleep(0.1)
+    finally:
+        os.kill(core, signal.SIGCONT)
+        assert s.stop() == 0, s.read_log()
+
+
+def test_killed_supervisor_ends_streams_and_leaves_nothing(default_gguf) -> None:
+    s = _serve(default_gguf)
+    run_dir = s.run_dir()
+    assert run_dir
+    children = s.child_pids()
+    events: list[str] = []
+    ended: list[float] = []
+    thread = _stream(s, events, ended)
+    s.proc.kill()
+    killed_at = time.monotonic()
+    thread.join(5)
+    assert ended and ended[0] - killed_at < 1.0, "the stream ended within 1 s"
+    data = [json.loads(e[6:]) for e in events if e.startswith("data: {")]
+    assert "error" in data[-1], events[-4:]
+    assert [e for e in events if e][-1] == "data: [DONE]", events[-4:]
+    for name, pid in children.items():
+        while (
+            os.path.exists(f"/proc/{pid}")
+            and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+        ):
+            assert time.monotonic() - killed_at < 5, f"{name} still running 5 s after"
+            time.sleep(0.05)
+    deadline = time.monotonic() + 2
+    while (os.path.exists(run_dir) or _shm(run_dir)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not os.path.exists(run_dir) and not _shm(run_dir)
+    s.proc.wait()
