@@ -75,6 +75,8 @@ class EngineCore:
                 output_weight=config.fair_output_weight,
                 aging_s=config.priority_aging_s,
             ),
+            prefix_caching=config.prefix_caching,
+            model_salt=config.model.path,
         )
         self.inflight: deque[ScheduledStep] = deque()
         self.timeline = DeviceTimeline(config)
@@ -269,6 +271,8 @@ class EngineCore:
             num_prompt_tokens=[r.num_prompt for r in out.requests],
             logprobs=out.logprobs,
         )
+        if any(out.end_reasons):  # why only then: the count is read from the last delta
+            batch.num_cached_tokens = [r.num_cached_prompt for r in out.requests]
         if self._ended:
             batch.errors = [""] * n
             for rid, reason, error in self._ended:
@@ -277,5 +281,7 @@ class EngineCore:
                 batch.finish_reasons.append(reason)
                 batch.num_prompt_tokens.append(0)
                 batch.errors.append(error)
+                if batch.num_cached_tokens:
+                    batch.num_cached_tokens.append(0)
             self._ended.clear()
         return batch

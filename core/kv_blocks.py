@@ -1,46 +1,181 @@
-"""Paged KV block accounting and runner slot accounting (pure CPU bookkeeping)."""
+"""Paged KV block accounting with prefix caching, and runner slot accounting (pure CPU
+bookkeeping).
+
+Prefix caching. A full block is named by a chained hash: sha256(parent's hash + its token ids
+as int32), the first block's parent being a root made of the model and the request's
+`cache_salt`, so requests that must not share never meet. `BlockManager` maps each hash to the
+one block holding that KV, counts references, keeps blocks nobody references cached in least
+recently used order, and evicts the oldest when it needs a block and none is empty.
+
+Invariants (tests/core/test_prefix_cache.py checks them after every step, overlap on and off):
+1. A block is in exactly one place: the empty list, the cached LRU (no reference, a hash), or
+   held by one or more requests (ref > 0). Block 0 is in none (padding writes it).
+2. A hash names a block only once the steps that write that block's KV have all been sent to
+   the runner. The runner runs plans in order, so any step that reads the block (a request that
+   hits it is planned later) runs after those writes. The scheduler registers prompt blocks when
+   it builds the step that fills them and output blocks when the request leaves its slot
+   (their ids are known only then), and only positions whose ids are known.
+3. A block a request holds is never evicted: eviction takes only unreferenced blocks. A step in
+   flight may still write a block its request has since left (preempted, finished); that block
+   is either empty (no hash) or cached under a hash of exactly what that step writes (2), and a
+   later owner's writes are planned later, so they land after it (the same in-order argument
+   as freeing without caching).
+4. A cached block is never written again: a request takes at most (its tokens - 1) // size
+   cached blocks, so it computes at least its last token, into a block of its own.
+5. Eviction drops the hash before the block is handed out, so no later lookup can hit it.
+"""
 
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from collections import OrderedDict, deque
+
+import numpy as np
+
+
+def hash_root(model: str, salt: str) -> bytes:
+    """The parent hash of a request's first block: one per model and cache salt."""
+    return hashlib.sha256(b"gapless-kv\0" + model.encode() + b"\0" + salt.encode()).digest()
+
+
+def chain_hashes(parent: bytes, token_ids: list[int], block_size: int) -> list[bytes]:
+    """Hashes of the full blocks of token_ids, each chained to the one before (or parent)."""
+    data = np.asarray(token_ids, dtype=np.int32).tobytes()
+    step = 4 * block_size
+    out = []
+    for i in range(len(token_ids) // block_size):
+        parent = hashlib.sha256(parent + data[i * step : (i + 1) * step]).digest()
+        out.append(parent)
+    return out
 
 
 class BlockManager:
-    """Hands out KV block ids. Block 0 is reserved: padded entries on the runner write there."""
+    """Hands out KV block ids. Block 0 is reserved: padded entries on the runner write there.
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    `caching` off: no block is ever registered, so freed blocks go back empty and nothing hits.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, caching: bool = True) -> None:
         assert num_blocks >= 2, "need at least one usable KV block"
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(1, num_blocks))
-        self._used = bytearray(num_blocks)  # 1 while a request holds the block
+        self.caching = caching
+        self._empty: deque[int] = deque(range(1, num_blocks))  # no reference, no hash
+        self._cached: OrderedDict[int, None] = OrderedDict()  # no reference, a hash; LRU first
+        self._ref = [0] * num_blocks  # requests holding each block
+        self._hash: list[bytes | None] = [None] * num_blocks
+        self._by_hash: dict[bytes, int] = {}
+        self.num_evictions = 0  # cached blocks reused for other content
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        """Blocks an allocation may take: empty ones and unreferenced cached ones."""
+        return len(self._empty) + len(self._cached)
 
     @property
     def num_usable(self) -> int:
         return self.num_blocks - 1
 
+    @property
+    def num_cached(self) -> int:
+        """Blocks holding KV under a hash, referenced or not."""
+        return len(self._by_hash)
+
+    @property
+    def num_cached_free(self) -> int:
+        """Cached blocks no request holds: kept until an allocation evicts them."""
+        return len(self._cached)
+
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
     def can_allocate(self, n: int) -> bool:
-        return n <= len(self._free)
+        return n <= self.num_free
 
     def allocate(self, n: int) -> list[int]:
+        """n blocks for new content, empty ones first, then the least recently used cached."""
         assert self.can_allocate(n), "allocate without can_allocate"
-        out = [self._free.popleft() for _ in range(n)]
-        for b in out:
-            self._used[b] = 1
+        out = []
+        for _ in range(n):
+            if self._empty:
+                b = self._empty.popleft()
+            else:
+                b, _ = self._cached.popitem(last=False)
+                h = self._hash[b]
+                assert h is not None and self._by_hash[h] == b
+                del self._by_hash[h]  # before anyone can look it up again (invariant 5)
+                self._hash[b] = None
+                self.num_evictions += 1
+            self._ref[b] = 1
+            out.append(b)
         return out
 
     def free(self, blocks: list[int]) -> None:
+        """Drop one reference to each block. A block nobody holds stays cached if it has a
+        hash; the tail of a sequence goes first into the LRU, so it is evicted before the
+        prefix it extends."""
+        for b in reversed(blocks):
+            assert self._ref[b] > 0, f"double free of KV block {b}"
+            self._ref[b] -= 1
+            if self._ref[b] == 0:
+                if self._hash[b] is None:
+                    self._empty.append(b)
+                else:
+                    self._cached[b] = None
+
+    # prefix caching
+
+    def lookup(self, hashes: list[bytes]) -> list[int]:
+        """The blocks of the longest cached prefix of a chain of hashes (nothing is taken)."""
+        out = []
+        by_hash = self._by_hash
+        for h in hashes:
+            b = by_hash.get(h)
+            if b is None:
+                break
+            out.append(b)
+        return out
+
+    def num_unreferenced(self, blocks: list[int]) -> int:
+        """How many of these cached blocks nobody holds: taking them lowers num_free."""
+        ref = self._ref
+        return sum(1 for b in blocks if ref[b] == 0)
+
+    def take(self, blocks: list[int]) -> None:
+        """A reference to each of these cached blocks (from lookup)."""
         for b in blocks:
-            assert self._used[b], f"double free of KV block {b}"
-            self._used[b] = 0
-        self._free.extend(blocks)
+            assert self._hash[b] is not None, f"KV block {b} is not cached"
+            if self._ref[b] == 0:
+                del self._cached[b]
+            self._ref[b] += 1
+
+    def register(self, blocks: list[int], hashes: list[bytes]) -> None:
+        """Name held, full blocks by their hashes so later requests can hit them. A block that
+        has a name keeps it; a hash that already names another block is left to that one (two
+        requests computed the same prefix at once: the second copy stays unnamed)."""
+        if not self.caching:
+            return
+        by_hash, names = self._by_hash, self._hash
+        for b, h in zip(blocks, hashes, strict=True):
+            assert self._ref[b] > 0, f"register of KV block {b}, which nobody holds"
+            if names[b] is None and h not in by_hash:
+                names[b] = h
+                by_hash[h] = b
+
+    def check(self) -> None:
+        """Assert invariants 1 and 5 (tests; walks every block)."""
+        empty, cached = set(self._empty), set(self._cached)
+        assert len(empty) == len(self._empty) and not (empty & cached)
+        assert 0 not in empty and 0 not in cached and self._ref[0] == 0
+        for b in range(1, self.num_blocks):
+            held = self._ref[b] > 0
+            assert held + (b in empty) + (b in cached) == 1, f"KV block {b} in two places"
+            if b in empty:
+                assert self._hash[b] is None
+            if b in cached:
+                assert self._hash[b] is not None
+        for h, b in self._by_hash.items():
+            assert self._hash[b] == h
 
 
 class SlotManager:

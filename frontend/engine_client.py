@@ -120,6 +120,7 @@ class EngineClient:
         priority: int = 0,
         arrival_time: float | None = None,
         ticket: Ticket | None = None,
+        cache_salt: str = "",
     ) -> AsyncIterator[tuple[int, TextDelta]]:
         """One engine request per params entry (ids `{request_id}-{i}`), merged as
         (choice index, delta) until every choice's last delta (one with a finish_reason).
@@ -150,7 +151,14 @@ class EngineClient:
             for rid, p in zip(ids, params, strict=True):
                 self._send(
                     AddRequest(
-                        rid, self.frontend_id, prompt_token_ids, p, arrival, tenant, priority
+                        rid,
+                        self.frontend_id,
+                        prompt_token_ids,
+                        p,
+                        arrival,
+                        tenant,
+                        priority,
+                        cache_salt,
                     )
                 )
             while running:

@@ -18,7 +18,7 @@ from gapless.frontend.asgi import ClientGone, HttpRequest, Responder, unless_dis
 from gapless.frontend.engine_client import EngineDeadError
 from gapless.frontend.errors import ApiError, engine_unavailable
 from gapless.frontend.queue_view import Ticket
-from gapless.frontend.responses import Usage
+from gapless.frontend.responses import PromptTokensDetails, Usage
 from gapless.frontend.state import FrontendState
 
 
@@ -32,6 +32,7 @@ class Job:
     priority: int
     arrival_time: float  # time.time()
     ticket: Ticket  # its place in the admission count
+    cache_salt: str = ""
 
 
 @dataclass
@@ -40,6 +41,7 @@ class ChoiceResult:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     num_output_tokens: int = 0
+    num_cached_tokens: int = 0
 
     @property
     def text(self) -> str:
@@ -72,9 +74,12 @@ def failure(delta: TextDelta, admission: Admission) -> ApiError | None:
     return None
 
 
-def usage_of(job: Job, num_output_tokens: list[int]) -> Usage:
+def usage_of(job: Job, num_output_tokens: list[int], num_cached_tokens: int) -> Usage:
+    """num_cached_tokens: the first choice's prompt tokens found in the prefix cache (the
+    choices share one prompt)."""
     completion = sum(num_output_tokens)
-    return Usage(len(job.prompt_ids), completion, len(job.prompt_ids) + completion)
+    n = len(job.prompt_ids)
+    return Usage(n, completion, n + completion, PromptTokensDetails(num_cached_tokens))
 
 
 async def _deltas(state: FrontendState, job: Job) -> AsyncIterator[tuple[int, TextDelta]]:
@@ -93,6 +98,7 @@ async def _deltas(state: FrontendState, job: Job) -> AsyncIterator[tuple[int, Te
         priority=job.priority,
         arrival_time=job.arrival_time,
         ticket=job.ticket,
+        cache_salt=job.cache_salt,
     )
     try:
         async with aclosing(stream):
@@ -128,6 +134,8 @@ async def collect(state: FrontendState, job: Job) -> list[ChoiceResult]:
                 choice.logprobs.extend(delta.logprobs)
             choice.num_output_tokens = delta.num_output_tokens
             choice.finish_reason = delta.finish_reason
+            if delta.finish_reason is not None:
+                choice.num_cached_tokens = delta.num_cached_tokens
     return choices
 
 
@@ -138,6 +146,7 @@ async def stream(
     with the first delta, so a failure before it still gets a proper HTTP status."""
     opened = [False] * len(job.params)
     outputs = [0] * len(job.params)
+    cached = 0
     observer = metrics.observer
     engine = state.engine
     async with aclosing(_deltas(state, job)) as deltas:
@@ -149,10 +158,12 @@ async def stream(
                 if opening is not None:
                     await out.event(opening)
             outputs[index] = delta.num_output_tokens
+            if index == 0 and delta.finish_reason is not None:
+                cached = delta.num_cached_tokens
             await out.event(fmt.delta(index, delta))
             observer.streamed(time.perf_counter() - received)
     if include_usage:
-        await out.event(fmt.usage(usage_of(job, outputs)))
+        await out.event(fmt.usage(usage_of(job, outputs, cached)))
     await out.done()
 
 
@@ -176,5 +187,5 @@ async def respond(
     except ClientGone:
         metrics.observer.aborted(job.endpoint)
         raise
-    usage = usage_of(job, [c.num_output_tokens for c in choices])
+    usage = usage_of(job, [c.num_output_tokens for c in choices], choices[0].num_cached_tokens)
     await out.json(200, build(choices, usage))

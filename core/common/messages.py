@@ -61,6 +61,7 @@ class AddRequest(_Msg):
     arrival_time: float  # time.time() when the HTTP request arrived
     tenant: str = ""
     priority: int = 0  # in [-1000, 1000], lower runs sooner: -10 interactive, 0 default, 10 batch
+    cache_salt: str = ""  # requests hit only prefix-cache blocks computed under the same salt
 
 
 class Abort(_Msg):
@@ -109,6 +110,9 @@ class NewSlot(_Msg):
     slot: int
     params: SamplingParams
     num_prompt_tokens: int  # positions below this are prompt tokens (penalties treat them apart)
+    # ids at the positions the prefix cache already holds (never fed), sent only when the
+    # request has penalties: the sampler must count every token of the sequence
+    cached_ids: list[int] = []
 
 
 class StepPlan(_Msg):
@@ -201,6 +205,9 @@ class TokenBatch(_Msg):
     # empty when no request in the batch asked
     logprobs: list[SampleLogprobs | None] = []
     errors: list[str] = []  # per entry, "" unless finish_reason is "error"; empty when none
+    # per entry, the prompt tokens its request found in the prefix cache; empty unless an entry
+    # ends here (only the last delta of a request reports it)
+    num_cached_tokens: list[int] = []
 
 
 DetokInput = DetokNew | TokenBatch | Shutdown
@@ -232,6 +239,7 @@ class TextDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None
     code: str | None = None  # with error: "queue_timeout" (the client's load), else an engine fault
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache; set on the last delta
 
 
 class TextDeltas(_Msg):
