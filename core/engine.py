@@ -152,6 +152,11 @@ class EngineCore:
             num_waiting=s.num_waiting,
             num_free_blocks=s.blocks.num_free,
             num_total_blocks=s.blocks.num_usable,
+            num_cached_blocks=s.blocks.num_cached,
+            num_cached_free_blocks=s.blocks.num_cached_free,
+            prefix_queried_tokens=s.num_queried_tokens,
+            prefix_hit_tokens=s.num_hit_tokens,
+            prefix_evictions=s.blocks.num_evictions,
         )
 
     # 2. a step ------------------------------------------------------------------------------
@@ -243,6 +248,7 @@ class EngineCore:
             num_tokens=step.num_prefill_tokens + step.num_decode_tokens,
             num_seqs=len(plan.slots),
             num_prefill_tokens=step.num_prefill_tokens,
+            num_cached_tokens=step.num_cached_tokens,
             result=result,
             applied=done,
             apply_s=apply_s,

@@ -254,8 +254,14 @@ class EngineStats(_Msg):
     token: int
     num_running: int
     num_waiting: int
-    num_free_blocks: int
+    num_free_blocks: int  # empty blocks and cached blocks no request holds
     num_total_blocks: int
+    # prefix cache
+    num_cached_blocks: int = 0  # blocks holding KV under a hash, held or not
+    num_cached_free_blocks: int = 0  # of which no request holds (evicted when needed)
+    prefix_queried_tokens: int = 0  # tokens looked up at admissions, since start
+    prefix_hit_tokens: int = 0  # of which found cached
+    prefix_evictions: int = 0  # cached blocks reused for other content, since start
 
 
 class StepRecord(msgspec.Struct, omit_defaults=True, gc=False):
@@ -280,6 +286,7 @@ class StepRecord(msgspec.Struct, omit_defaults=True, gc=False):
     apply_ms: float
     idle_before_ms: float  # device idle between the previous step and this one, work waiting
     waiting: bool  # requests were in the engine during that gap
+    num_cached_tokens: int = 0  # tokens requests admitted this step found in the prefix cache
 
 
 class TimelineSummary(msgspec.Struct, gc=False):

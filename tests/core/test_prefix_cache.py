@@ -337,3 +337,28 @@ def test_sim_charges_prefill_only_for_computed_tokens(default_gguf):
     assert prefill[False] == 4 * 1032
     assert prefill[True] == 1032 + 3 * (1032 - 1024), "three requests compute their 8 own tokens"
     assert busy[True] < 0.5 * busy[False], busy
+
+
+def test_metrics_stats_and_timeline_report_the_cache(default_gguf):
+    from prometheus_client import CollectorRegistry
+
+    from gapless.core.metrics import CoreMetrics
+
+    registry = CollectorRegistry()
+    h = Harness(sim_config(default_gguf), metrics=CoreMetrics(registry))
+    prefix = list(range(2000, 2064))  # 64 tokens, 4 blocks
+    arrivals = {4 * i: [(f"r{i}", prefix + [3000 + i] * 4, SamplingParams(max_tokens=3))]
+                for i in range(3)}  # fmt: skip
+    h.run(arrivals)
+    value = registry.get_sample_value
+    assert value("gapless_prefix_cache_queried_tokens_total") == 3 * 68
+    assert value("gapless_prefix_cache_hit_tokens_total") == 2 * 64
+    assert value("gapless_prefix_cache_hit_rate") == pytest.approx(128 / 204)
+    assert [h.deltas[f"r{i}"][-1].num_cached_tokens for i in range(3)] == [0, 64, 64]
+    steps = h.core.timeline.last(100)
+    assert sum(s.num_cached_tokens for s in steps) == 128
+    stats = h.core.stats(token=1)
+    # each request's 4 prefix blocks are shared; its own tail and outputs fill a block more
+    assert stats.num_cached_blocks >= 4 and stats.num_cached_free_blocks == stats.num_cached_blocks
+    assert (stats.prefix_queried_tokens, stats.prefix_hit_tokens) == (204, 128)
+    assert stats.num_free_blocks == stats.num_total_blocks
