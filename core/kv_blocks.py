@@ -1,9 +1,9 @@
 """Paged KV block accounting with prefix caching, and runner slot accounting (pure CPU
 bookkeeping).
 
-Prefix caching. A full block is named by a chained hash: sha256(parent's hash + its token ids
-as int32), the first block's parent being a root made of the model and the request's
-`cache_salt`, so requests that must not share never meet. `BlockManager` maps each hash to the
+Prefix caching. A full block is named by a chained hash (core/common/block_hash.py):
+sha256(parent's hash + its token ids as int32), the first block's parent being a root made of
+the model and the request's `cache_salt`, so requests that must not share never meet. `BlockManager` maps each hash to the
 one block holding that KV, counts references, keeps blocks nobody references cached in least
 recently used order, and evicts the oldest when it needs a block and none is empty.
 
@@ -27,26 +27,11 @@ Invariants (tests/core/test_prefix_cache.py checks them after every step, overla
 
 from __future__ import annotations
 
-import hashlib
 from collections import OrderedDict, deque
 
-import numpy as np
+from gapless.core.common.block_hash import chain_hashes, hash_root
 
-
-def hash_root(model: str, salt: str) -> bytes:
-    """The parent hash of a request's first block: one per model and cache salt."""
-    return hashlib.sha256(b"gapless-kv\0" + model.encode() + b"\0" + salt.encode()).digest()
-
-
-def chain_hashes(parent: bytes, token_ids: list[int], block_size: int) -> list[bytes]:
-    """Hashes of the full blocks of token_ids, each chained to the one before (or parent)."""
-    data = np.asarray(token_ids, dtype=np.int32).tobytes()
-    step = 4 * block_size
-    out = []
-    for i in range(len(token_ids) // block_size):
-        parent = hashlib.sha256(parent + data[i * step : (i + 1) * step]).digest()
-        out.append(parent)
-    return out
+__all__ = ["BlockManager", "SlotManager", "chain_hashes", "hash_root"]
 
 
 class BlockManager:

@@ -109,6 +109,9 @@ class Scheduler:
         req = Request(msg, self.rb, self._num_added)
         assert req.request_id not in self.requests, f"duplicate request id {req.request_id}"
         req.tenant_id = self.policy.tenant_id(req.tenant)
+        if msg.block_hashes and self.prefix_caching:
+            assert len(msg.block_hashes) <= req.num_prompt // self.blocks.block_size
+            req.block_hashes = msg.block_hashes
         self.requests[req.request_id] = req
         self.policy.add(req)
         return req

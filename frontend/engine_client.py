@@ -121,6 +121,7 @@ class EngineClient:
         arrival_time: float | None = None,
         ticket: Ticket | None = None,
         cache_salt: str = "",
+        block_hashes: list[bytes] | None = None,
     ) -> AsyncIterator[tuple[int, TextDelta]]:
         """One engine request per params entry (ids `{request_id}-{i}`), merged as
         (choice index, delta) until every choice's last delta (one with a finish_reason).
@@ -159,6 +160,7 @@ class EngineClient:
                         tenant,
                         priority,
                         cache_salt,
+                        block_hashes or [],
                     )
                 )
             while running:

@@ -11,6 +11,8 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from gapless.core.common.block_hash import chain_hashes, hash_root
+from gapless.core.common.config import EngineConfig
 from gapless.core.common.messages import SamplingParams, TextDelta, TokenLogprob
 from gapless.frontend import metrics
 from gapless.frontend.admission import Admission
@@ -74,6 +76,14 @@ def failure(delta: TextDelta, admission: Admission) -> ApiError | None:
     return None
 
 
+def prompt_block_hashes(config: EngineConfig, prompt_ids: list[int], salt: str) -> list[bytes]:
+    """The prefix-cache names of the prompt's full blocks, so the core's step loop does not
+    spend its time hashing (~90 us per 1,024 tokens); none with caching off."""
+    if not config.prefix_caching:
+        return []
+    return chain_hashes(hash_root(config.model.path, salt), prompt_ids, config.block_size)
+
+
 def usage_of(job: Job, num_output_tokens: list[int], num_cached_tokens: int) -> Usage:
     """num_cached_tokens: the first choice's prompt tokens found in the prefix cache (the
     choices share one prompt)."""
@@ -99,6 +109,7 @@ async def _deltas(state: FrontendState, job: Job) -> AsyncIterator[tuple[int, Te
         arrival_time=job.arrival_time,
         ticket=job.ticket,
         cache_salt=job.cache_salt,
+        block_hashes=prompt_block_hashes(state.config, job.prompt_ids, job.cache_salt),
     )
     try:
         async with aclosing(stream):

@@ -62,6 +62,9 @@ class AddRequest(_Msg):
     tenant: str = ""
     priority: int = 0  # in [-1000, 1000], lower runs sooner: -10 interactive, 0 default, 10 batch
     cache_salt: str = ""  # requests hit only prefix-cache blocks computed under the same salt
+    # chained hashes of the prompt's full blocks (core/common/block_hash.py) for this engine's
+    # block size, model and cache_salt, computed by the frontend; empty: the core computes them
+    block_hashes: list[bytes] = []
 
 
 class Abort(_Msg):

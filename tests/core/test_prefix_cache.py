@@ -362,3 +362,51 @@ def test_metrics_stats_and_timeline_report_the_cache(default_gguf):
     assert stats.num_cached_blocks >= 4 and stats.num_cached_free_blocks == stats.num_cached_blocks
     assert (stats.prefix_queried_tokens, stats.prefix_hit_tokens) == (204, 128)
     assert stats.num_free_blocks == stats.num_total_blocks
+
+
+def test_with_no_shared_prefix_caching_plans_the_same_steps(default_gguf):
+    """0% hits: caching on and off compute the same tokens in the same steps (host time on and
+    off is compared in bench/RESULTS.md)."""
+    plans = {}
+    for caching in (False, True):
+        rng = torch.Generator().manual_seed(3)  # the same prompts each time
+        h = Harness(sim_config(default_gguf, prefix_caching=caching, max_num_batched_tokens=256))
+        sent = []
+        step = h.core.step
+
+        def record(result=None, step=step, sent=sent):
+            out = step(result)
+            sent += [(p.slots, p.num_tokens, p.start_pos, p.new_blocks) for p in out.plans]
+            return out
+
+        h.core.step = record
+        arrivals = {
+            2 * i: [(f"r{i}", torch.randint(3, 40000, (100,), generator=rng).tolist(),
+                     SamplingParams(max_tokens=20))]
+            for i in range(12)
+        }  # fmt: skip
+        h.run(arrivals)
+        assert h.scheduler.num_hit_tokens == 0
+        plans[caching] = sent
+    assert plans[True] == plans[False]
+
+
+def test_the_frontends_hashes_are_the_ones_the_core_computes():
+    s = make_scheduler(block_size=4, model_salt="model-path")
+    prompt = SHARED + [1, 2]
+    computed = add(s, "a", prompt, salt="t")
+    assert s._hashes(computed, 5)[:5] == chain_hashes(hash_root("model-path", "t"), prompt, 4)
+    run_to_end(s)
+    given = s.add_request(
+        AddRequest(
+            request_id="b",
+            frontend_id=0,
+            prompt_token_ids=prompt,
+            params=SamplingParams(max_tokens=2),
+            arrival_time=time.time(),
+            cache_salt="t",
+            block_hashes=chain_hashes(hash_root("model-path", "t"), prompt, 4),
+        )
+    )
+    s.schedule()
+    assert given.num_cached_prompt == 20
