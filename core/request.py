@@ -70,6 +70,7 @@ class Request:
         "cache_salt",
         "block_hashes",
         "num_cached_prompt",
+        "num_named",
         "started",
         "limit",
         "status",
@@ -96,6 +97,7 @@ class Request:
         self.cache_salt = msg.cache_salt
         self.block_hashes: list[bytes] = []  # chained hashes of its first full blocks (kv_blocks)
         self.num_cached_prompt = 0  # prompt tokens found in the prefix cache at its first seat
+        self.num_named = 0  # leading blocks it holds that were offered to the cache by name
         self.limit = int(
             length_limit(len(msg.prompt_token_ids), msg.params.max_tokens, batch.max_model_len)
         )

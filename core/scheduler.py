@@ -176,8 +176,9 @@ class Scheduler:
         slot = req.slot
         if self.prefix_caching:  # its full blocks whose ids are known and KV sent: cacheable
             known = min(int(self.rb.computed[slot]), req.num_prompt + len(req.output_ids))
-            n = min(known // self.blocks.block_size, len(req.blocks))
-            self.blocks.register(req.blocks[:n], self._hashes(req, n)[:n])
+            n, first = min(known // self.blocks.block_size, len(req.blocks)), req.num_named
+            if n > first:
+                self.blocks.register(req.blocks[first:n], self._hashes(req, n)[first:n])
         self.rb.release(slot)
         self.blocks.free(req.blocks)
         req.blocks = []
@@ -279,6 +280,7 @@ class Scheduler:
             self.rb.admit(req, self.slots.allocate())
             self.blocks.take(hit)
             req.blocks = hit + self.blocks.allocate(nb)
+            req.num_named = len(hit)
             self.rb.num_blocks[req.slot] = len(req.blocks)
             self.rb.computed[req.slot] = cached
             # cached prompt tokens are never charged to the tenant
@@ -351,6 +353,7 @@ class Scheduler:
             if caching and end // bs > begin // bs:  # blocks this step fills: cacheable once sent
                 first, last = begin // bs, end // bs
                 self.blocks.register(req.blocks[first:last], self._hashes(req, last)[first:last])
+                req.num_named = last
         assert (take[~has_tokens] == 1).all(), "a device-fed entry has one token"
         new_count = rb.num_blocks[slots] - rb.num_sent[slots]
         new_blocks: list[int] = []
