@@ -4,6 +4,7 @@ bench --base-url http://127.0.0.1:8000 --workload 1024:64
 bench --launch --workload sharegpt -- --model ./my-model --max-num-seqs 128
 bench --target gapless=http://a:8000 --target other=http://b:8080 --output-json r.json
 bench --launch --tenants noisy-neighbor --plot-dir figs -- --device sim
+bench --launch --workload prefix:1024:32-128:64 --workload chat:32:4:64:64:1 -- --device sim
 bench plot --from a.json b.json --plot-dir figs
 bench host-floor --batches 64,256 --plot-dir figs   (the shortest sim step the host keeps fed)
 """
@@ -37,7 +38,8 @@ JSON_SHAPE = """\
 {"runs": [run, ...], "ratios": [...]}, ratios being each later target over the first target on
 the same workload. A run holds target, base_url, model, workload, num_requests, completed,
 failed, errors, duration_s, request_throughput, output_token_throughput, ttft_ms, tpot_ms,
-itl_ms, e2e_ms ({mean, p50, p90, p99} in ms), device ("cpu", "cuda", "sim:<profile>"; null
+itl_ms, e2e_ms ({mean, p50, p90, p99} in ms), total_cached_tokens and cached_token_fraction
+(prompt tokens the server reported as cached, usage.prompt_tokens_details; null if it did not), device ("cpu", "cuda", "sim:<profile>"; null
 without an engine timeline), overlap, device_idle_fraction, step_breakdown_ms (median ms per
 step of schedule, prepare_inputs, forward, sample, apply_result), timeline and samples
 (per-request latencies for CDF plots). A multi-tenant run (--tenants) adds `tenants`, one object
@@ -79,8 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--workload",
         action="append",
         metavar="SPEC",
-        help="IN:OUT (fixed synthetic lengths, e.g. 1024:64), sharegpt or loogle; repeatable "
-        "(default: 1024:64)",
+        help="IN:OUT (fixed synthetic lengths, e.g. 1024:64), sharegpt, loogle, "
+        "prefix:S:Q:OUT (a shared S-token system prompt, then a unique Q-token question, Q is N "
+        "or LO-HI; --num-requests of them), or chat:SESSIONS:TURNS:USER:OUT[:THINK_S] "
+        "(multi-turn sessions resending their history each turn, THINK_S s between turns; "
+        "--num-requests does not apply); repeatable (default: 1024:64)",
     )
     wo.add_argument(
         "--tenants",
@@ -210,7 +215,10 @@ def main(argv: list[str] | None = None) -> None:
     args.request_rate = float("inf") if args.request_rate is None else args.request_rate
     for spec in args.workload:
         if not is_known(spec):
-            parser.error(f"unknown workload {spec!r}: use IN:OUT (e.g. 1024:64), sharegpt, loogle")
+            parser.error(
+                f"unknown workload {spec!r}: use IN:OUT (e.g. 1024:64), sharegpt, loogle, "
+                "prefix:S:Q:OUT or chat:SESSIONS:TURNS:USER:OUT[:THINK_S]"
+            )
     if args.num_requests < 1 or (args.max_concurrency is not None and args.max_concurrency < 1):
         parser.error("--num-requests and --max-concurrency must be at least 1")
     if not args.request_rate > 0:

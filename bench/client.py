@@ -30,6 +30,8 @@ class RequestRecord:
     e2e: float | None = None  # s, send to end of stream
     output_tokens: int = 0  # usage.completion_tokens, else chunks with text
     tenant: str | None = None  # of a multi-tenant run
+    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, if reported
+    text: list[str] | None = None  # the output's chunks, kept when a list is given
 
     @property
     def tpot(self) -> float | None:
@@ -49,6 +51,7 @@ def completion_payload(
     eos_token_ids: tuple[int, ...] = (),
     user: str | None = None,
     priority: int | str | None = None,
+    cache_salt: str | None = None,
 ) -> dict[str, Any]:
     body: dict[str, Any] = {
         "model": model,
@@ -66,6 +69,8 @@ def completion_payload(
         body["user"] = user
     if priority is not None:
         body["priority"] = priority
+    if cache_salt is not None:
+        body["cache_salt"] = cache_salt
     return body
 
 
@@ -89,6 +94,15 @@ def _chunk_text(chunk: dict[str, Any]) -> str:
             text = (choice.get("delta") or {}).get("content")
         parts.append(text or "")
     return "".join(parts)
+
+
+def _read_prompt_usage(usage: dict[str, Any], record: RequestRecord) -> None:
+    """Cached prompt tokens, and the prompt's length where the sender did not know it (0)."""
+    details = usage.get("prompt_tokens_details")
+    if isinstance(details, dict) and details.get("cached_tokens") is not None:
+        record.cached_tokens = int(details["cached_tokens"])
+    if record.prompt_len == 0 and usage.get("prompt_tokens") is not None:
+        record.prompt_len = int(usage["prompt_tokens"])
 
 
 async def stream_completion(
@@ -120,8 +134,10 @@ async def stream_completion(
                 if event.event == "error" or (isinstance(chunk, dict) and "error" in chunk):
                     record.error = f"error event: {_error_text(event.data.encode())}"
                     return record
-                if _chunk_text(chunk):
+                if text := _chunk_text(chunk):
                     chunks += 1
+                    if record.text is not None:
+                        record.text.append(text)
                     if record.ttft is None:
                         record.ttft = now - record.start
                     else:
@@ -130,6 +146,7 @@ async def stream_completion(
                 usage = chunk.get("usage")
                 if usage and usage.get("completion_tokens") is not None:
                     usage_tokens = int(usage["completion_tokens"])
+                    _read_prompt_usage(usage, record)
     except (aiohttp.ClientError, TimeoutError) as exc:
         record.error = f"{type(exc).__name__}: {str(exc) or 'no detail'}"
         return record

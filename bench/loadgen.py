@@ -67,6 +67,8 @@ async def run_load(
     spec: LoadSpec,
     label: str = "",
 ) -> LoadResult:
+    if any(r.session is not None for r in workload.requests):
+        return await run_sessions(base_url, api_key, model, workload, spec, label)
     requests = workload.requests
     offsets = request_offsets(workload, spec)
     gate = asyncio.Semaphore(spec.max_concurrency or len(requests) or 1)
@@ -107,3 +109,69 @@ async def run_load(
             bar.close()
         duration = time.perf_counter() - t0
     return LoadResult(list(records), duration, t0)
+
+
+async def run_sessions(
+    base_url: str,
+    api_key: str | None,
+    model: str,
+    workload: Workload,
+    spec: LoadSpec,
+    label: str = "",
+) -> LoadResult:
+    """Multi-turn chat: each session sends its turns one after another, each turn's prompt the
+    session's earlier prompts and answers (text, as a client resends its history), then the
+    turn's message; the next turn goes `workload.think_s` after the answer ended. Sessions
+    start at the spec's rate (all at once by default) and run side by side, capped by
+    max_concurrency sessions."""
+    turns: dict[int, list] = {}
+    for req in workload.requests:
+        assert req.session is not None, "a chat workload has only session turns"
+        turns.setdefault(req.session, []).append(req)
+    offsets = arrival_offsets(len(turns), spec.request_rate, spec.seed)
+    gate = asyncio.Semaphore(spec.max_concurrency or len(turns) or 1)
+    total = len(workload.requests)
+    bar = tqdm(total=total, desc=label or base_url, unit="req", disable=not spec.progress)
+    size = min(len(turns), spec.max_concurrency or len(turns))
+    records: list[RequestRecord] = []
+    url = base_url.rstrip("/") + "/v1/completions"
+    async with http_client(api_key, spec.request_timeout_s, size) as client:
+        t0 = time.perf_counter()
+
+        async def session(k: int, reqs: list) -> None:
+            while (delay := t0 + offsets[k] - time.perf_counter()) > 0:
+                await asyncio.sleep(delay)
+            history = ""
+            async with gate:
+                for turn, req in enumerate(reqs):
+                    if turn and workload.think_s:
+                        await asyncio.sleep(workload.think_s)
+                    prompt = f"{history} {req.prompt}" if history else req.prompt
+                    body = completion_payload(
+                        model,
+                        prompt,
+                        req.output_len,
+                        ignore_eos=spec.ignore_eos,
+                        temperature=spec.temperature,
+                        eos_token_ids=spec.eos_token_ids,
+                    )
+                    record = RequestRecord(0, req.output_len, text=[])  # length from usage
+                    records.append(record)
+                    await stream_completion(client, url, body, record)
+                    bar.update(1)
+                    if not record.ok:
+                        return  # a session whose turn failed cannot go on
+                    history = prompt + "".join(record.text or [])
+                    record.text = None
+
+        tasks = [asyncio.create_task(session(k, reqs)) for k, reqs in enumerate(turns.values())]
+        try:
+            await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
+            bar.close()
+        duration = time.perf_counter() - t0
+    missing = total - len(records)  # turns never sent after a failed one
+    records += [RequestRecord(0, 0, error="an earlier turn of its session failed")] * missing
+    return LoadResult(records, duration, t0)

@@ -30,6 +30,7 @@ def summarize(records: Sequence[RequestRecord], duration_s: float) -> dict[str, 
     output_tokens = sum(r.output_tokens for r in done)
     input_tokens = sum(r.prompt_len for r in done)
     errors = Counter(r.error for r in records if not r.ok)
+    cached = [r for r in done if r.cached_tokens is not None]
     per_s = (lambda x: x / duration_s) if duration_s > 0 else (lambda x: None)
     return {
         "num_requests": len(records),
@@ -42,6 +43,11 @@ def summarize(records: Sequence[RequestRecord], duration_s: float) -> dict[str, 
         "request_throughput": per_s(len(done)),
         "input_token_throughput": per_s(input_tokens),
         "output_token_throughput": per_s(output_tokens),
+        # prompt tokens the server reported found in its prefix cache (None: it reported none)
+        "total_cached_tokens": sum(r.cached_tokens for r in cached) if cached else None,
+        "cached_token_fraction": (
+            sum(r.cached_tokens for r in cached) / input_tokens if cached and input_tokens else None
+        ),
         "ttft_ms": distribution([r.ttft for r in done if r.ttft is not None]),
         "tpot_ms": distribution([t for r in done if (t := r.tpot) is not None]),
         "itl_ms": distribution([x for r in done for x in r.itl]),

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Rebuilds bench/results/*.json and bench/results/*.png, the numbers in bench/RESULTS.md.
-# Usage: bash bench/results.sh [sim|cpu|tenants|tenants-sim|all]   (run from the repository root, after `make setup`)
+# Usage: bash bench/results.sh [sim|cpu|tenants|tenants-sim|prefix|all]   (run from the repository root, after `make setup`)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 G=.venv/bin/gapless
@@ -69,6 +69,29 @@ if [ "$what" = tenants ] || [ "$what" = all ]; then
   for policy in fcfs fair; do
     tenants_run cpu "$policy" noisy-neighbor noisy-neighbor --max-num-batched-tokens 2048
   done
+fi
+
+cache_run() {  # device on|off workload n [serve args...]: one run, prefix caching on or off
+  local device=$1 state=$2 wl=$3 n=$4 tag flag=""
+  shift 4
+  tag="$device-${wl//:/_}-$state"
+  [ "$state" = off ] && flag=--no-prefix-caching
+  $G bench --launch --workload "$wl" --num-requests "$n" --no-progress \
+    --output-json "$OUT/prefix/$tag.json" -- --device "$device" $flag "$@"
+}
+SIM_ARGS="--sim-profile h100-llama3-8b --max-num-seqs 256 --max-num-batched-tokens 8192"
+
+if [ "$what" = prefix ] || [ "$what" = all ]; then
+  mkdir -p "$OUT/prefix"
+  for state in off on; do
+    cache_run sim "$state" prefix:1024:32-128:64 300 $SIM_ARGS
+    cache_run sim "$state" chat:64:4:128:64:0.5 1 $SIM_ARGS
+    cache_run sim "$state" 1024:64 300 $SIM_ARGS  # distinct prompts: 0% hits, the overhead
+    cache_run cpu "$state" prefix:1024:16-64:16 16 --max-num-batched-tokens 2048
+    cache_run cpu "$state" chat:4:4:64:32:0.5 1 --max-num-batched-tokens 2048
+  done
+  .venv/bin/python -m gapless.bench.cache_report "$OUT"/prefix/*.json \
+    --plot "$OUT/prefix/prefix_cache.png"
 fi
 
 .venv/bin/bench plot --from "$OUT"/sim-*.json --plot-dir "$OUT/sim" || true

@@ -111,8 +111,19 @@ def timeline_summary(before: dict[str, Any] | None, after: dict[str, Any] | None
             "idle_s": idle,
             # False when the engine's ring had already dropped early steps of the run
             "complete": first is not None and (before_seq < 0 or first == before_seq + 1),
+            # tokens the device computed, prompt tokens taken from the prefix cache instead,
+            # and the core's mean host time per step (schedule + apply result), ms
+            "num_tokens": sum(int(s.get("num_tokens", 0)) for s in steps),
+            "num_prefill_tokens": sum(int(s.get("num_prefill_tokens", 0)) for s in steps),
+            "num_cached_tokens": sum(int(s.get("num_cached_tokens", 0)) for s in steps),
+            "core_host_ms_per_step": _mean_host_ms(steps),
         },
     }
+
+
+def _mean_host_ms(steps: list[dict[str, Any]]) -> float | None:
+    host = [s["schedule_ms"] + s["apply_ms"] for s in steps if s.get("num_tokens")]
+    return float(np.mean(host)) if host else None
 
 
 def window_of(steps: list[dict[str, Any]], size: int) -> list[dict[str, Any]]:

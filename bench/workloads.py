@@ -1,4 +1,5 @@
-"""Workloads: fixed IN:OUT synthetic prompts, ShareGPT (file or synthetic mix), LooGLE-like QA."""
+"""Workloads: fixed IN:OUT synthetic prompts, ShareGPT (file or synthetic mix), LooGLE-like QA,
+a shared system prompt with unique questions (`prefix`), multi-turn chat sessions (`chat`)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,9 @@ class BenchRequest:
     tenant: str | None = None  # sent as X-Tenant and `user`
     priority: int | str | None = None  # sent as `priority` when set
     arrival_s: float | None = None  # s after the start; None: the run's rate decides
+    # a turn of a chat session: sent after the session's previous turn answered (and the
+    # think time), its prompt the session's history so far, then this prompt
+    session: int | None = None
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,7 @@ class Workload:
     requests: tuple[BenchRequest, ...]
     synthetic: bool  # made up here rather than read from a dataset
     tenants: tuple[TenantSpec, ...] = ()  # who sends the requests (a multi-tenant run)
+    think_s: float = 0.0  # a chat session's pause between an answer and its next turn
 
     @property
     def mean_prompt_len(self) -> float:
@@ -56,8 +61,52 @@ def parse_fixed(spec: str) -> tuple[int, int] | None:
     return num_in, num_out
 
 
+def _length(text: str, what: str) -> tuple[int, int]:
+    """N or LO-HI, as (LO, HI)."""
+    m = re.fullmatch(r"(\d+)(?:-(\d+))?", text)
+    if m is None:
+        raise ValueError(f"{what} must be N or LO-HI, got {text!r}")
+    low = int(m.group(1))
+    high = int(m.group(2)) if m.group(2) else low
+    if not 1 <= low <= high:
+        raise ValueError(f"{what} must be at least 1 and LO <= HI, got {text!r}")
+    return low, high
+
+
+def parse_prefix(spec: str) -> tuple[int, tuple[int, int], int] | None:
+    """(S, (QLO, QHI), OUT) of `prefix:S:Q:OUT` (Q is N or LO-HI), None for another spec."""
+    parts = spec.split(":")
+    if parts[0] != "prefix":
+        return None
+    if len(parts) != 4:
+        raise ValueError(f"workload {spec!r}: use prefix:S:Q:OUT, e.g. prefix:1024:32-128:64")
+    shared = _length(parts[1], "S")[0]
+    return shared, _length(parts[2], "Q"), _length(parts[3], "OUT")[0]
+
+
+def parse_chat(spec: str) -> tuple[int, int, int, int, float] | None:
+    """(SESSIONS, TURNS, USER, OUT, THINK) of `chat:SESSIONS:TURNS:USER:OUT[:THINK]`."""
+    parts = spec.split(":")
+    if parts[0] != "chat":
+        return None
+    if len(parts) not in (5, 6):
+        raise ValueError(
+            f"workload {spec!r}: use chat:SESSIONS:TURNS:USER:OUT[:THINK_S], e.g. chat:32:4:64:64:1"
+        )
+    names = ("SESSIONS", "TURNS", "USER", "OUT")
+    nums = [_length(p, name)[0] for p, name in zip(parts[1:5], names, strict=True)]
+    think = float(parts[5]) if len(parts) == 6 else 0.0
+    if not think >= 0:
+        raise ValueError(f"workload {spec!r}: THINK_S must be 0 or more")
+    return nums[0], nums[1], nums[2], nums[3], think
+
+
 def is_known(spec: str) -> bool:
-    return spec in ("sharegpt", "loogle") or parse_fixed(spec) is not None
+    try:
+        special = parse_prefix(spec) is not None or parse_chat(spec) is not None
+        return spec in ("sharegpt", "loogle") or special or parse_fixed(spec) is not None
+    except ValueError:
+        return False
 
 
 def build_workload(
@@ -89,7 +138,42 @@ def build_workload(
                 "loogle", read_loogle(dataset), maker, num_requests, rng, max_model_len
             )
         return _loogle_synthetic(maker, num_requests, rng, max_model_len)
-    raise ValueError(f"unknown workload {spec!r}: use IN:OUT (e.g. 1024:64), sharegpt or loogle")
+    prefix = parse_prefix(spec)
+    if prefix is not None:
+        return _prefix(spec, prefix, maker, num_requests, rng)
+    chat = parse_chat(spec)
+    if chat is not None:
+        return _chat(spec, chat, maker, rng)
+    raise ValueError(
+        f"unknown workload {spec!r}: use IN:OUT (e.g. 1024:64), sharegpt, loogle, "
+        "prefix:S:Q:OUT or chat:SESSIONS:TURNS:USER:OUT[:THINK_S]"
+    )
+
+
+def _prefix(spec, shape, maker: PromptMaker, n: int, rng: np.random.Generator) -> Workload:
+    """One system prompt of S tokens, then a question of its own for every request."""
+    shared, (q_low, q_high), out = shape
+    system = maker.make(shared, rng)
+    q_lens = rng.integers(q_low, q_high + 1, size=n).tolist()
+    # why no special tokens in the question: the system prompt holds the BOS if any
+    questions = maker.make_many([q + maker.num_special for q in q_lens], rng)
+    prompts = [f"{system} {q}" for q in questions]
+    counts = maker.count_many(prompts)
+    reqs = [BenchRequest(p, c, out) for p, c in zip(prompts, counts, strict=True)]
+    return Workload(spec, tuple(reqs), synthetic=True)
+
+
+def _chat(spec, shape, maker: PromptMaker, rng: np.random.Generator) -> Workload:
+    """SESSIONS sessions of TURNS user messages; the load generator sends each turn with the
+    session's history in front (see loadgen.run_sessions), so prompt lengths grow by turn."""
+    sessions, turns, user, out, think = shape
+    messages = maker.make_many([user + maker.num_special] * (sessions * turns), rng)
+    reqs = [
+        BenchRequest(messages[s * turns + t], user, out, session=s)
+        for s in range(sessions)
+        for t in range(turns)
+    ]
+    return Workload(spec, tuple(reqs), synthetic=True, think_s=think)
 
 
 def lognormal_lengths(

@@ -78,6 +78,8 @@ class EngineCore:
                 output_weight=config.fair_output_weight,
                 aging_s=config.priority_aging_s,
             ),
+            prefix_caching=config.prefix_caching,
+            model_salt=config.model.path,
         )
         self.inflight: deque[ScheduledStep] = deque()
         self.timeline = DeviceTimeline(config)
@@ -157,6 +159,11 @@ class EngineCore:
             num_waiting=s.num_waiting,
             num_free_blocks=s.blocks.num_free,
             num_total_blocks=s.blocks.num_usable,
+            num_cached_blocks=s.blocks.num_cached,
+            num_cached_free_blocks=s.blocks.num_cached_free,
+            prefix_queried_tokens=s.num_queried_tokens,
+            prefix_hit_tokens=s.num_hit_tokens,
+            prefix_evictions=s.blocks.num_evictions,
         )
 
     # 2. a step ------------------------------------------------------------------------------
@@ -248,6 +255,7 @@ class EngineCore:
             num_tokens=step.num_prefill_tokens + step.num_decode_tokens,
             num_seqs=len(plan.slots),
             num_prefill_tokens=step.num_prefill_tokens,
+            num_cached_tokens=step.num_cached_tokens,
             result=result,
             applied=done,
             apply_s=apply_s,
@@ -276,6 +284,8 @@ class EngineCore:
             num_prompt_tokens=[r.num_prompt for r in out.requests],
             logprobs=out.logprobs,
         )
+        if any(out.end_reasons):  # why only then: the count is read from the last delta
+            batch.num_cached_tokens = [r.num_cached_prompt for r in out.requests]
         if self._ended:
             batch.errors = [""] * n
             for rid, reason, error in self._ended:
@@ -284,5 +294,7 @@ class EngineCore:
                 batch.finish_reasons.append(reason)
                 batch.num_prompt_tokens.append(0)
                 batch.errors.append(error)
+                if batch.num_cached_tokens:
+                    batch.num_cached_tokens.append(0)
             self._ended.clear()
         return batch

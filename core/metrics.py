@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from gapless.core.timeline import DeviceTimeline
 
 IDLE_WINDOW_S = 10.0  # the idle-fraction gauge covers the steps of the last 10 s of device time
+HIT_RATE_WINDOW_S = 60.0  # the prefix-cache hit-rate gauge covers the admissions of the last 60 s
 MAX_TENANT_LABELS = 20  # tenants with a label of their own; the rest are "other"
 
 
@@ -114,6 +115,31 @@ class CoreMetrics:
         self.generation_tokens = Counter(
             "gapless_generation_tokens", "Tokens sampled for live requests", registry=r
         )
+        self.prefix_queried = Counter(
+            "gapless_prefix_cache_queried_tokens",
+            "Tokens looked up in the prefix cache when requests took a seat",
+            registry=r,
+        )
+        self.prefix_hit = Counter(
+            "gapless_prefix_cache_hit_tokens",
+            "Tokens found in the prefix cache (their KV was not computed again)",
+            registry=r,
+        )
+        self.prefix_evictions = Counter(
+            "gapless_prefix_cache_evictions",
+            "Cached KV blocks no request held, reused for other content",
+            registry=r,
+        )
+        self.prefix_hit_rate = Gauge(
+            "gapless_prefix_cache_hit_rate",
+            f"Hit tokens / queried tokens over the admissions of the last {HIT_RATE_WINDOW_S:g} s",
+            multiprocess_mode=mode,
+            registry=r,
+        )
+        self.blocks_cached = Gauge(
+            "gapless_kv_blocks_cached", "KV blocks holding a cached prefix that no request holds",
+            multiprocess_mode=mode, registry=r,
+        )  # fmt: skip
         self.tenant_waiting = Gauge(
             "gapless_tenant_requests_waiting", "Requests waiting for a seat, by tenant",
             ["tenant"], multiprocess_mode=mode, registry=r,
@@ -146,6 +172,10 @@ class CoreMetrics:
         self._busy_s = self._idle_s = 0.0  # the timeline's totals already counted
         self._preemptions = 0
         self._queues = (-1, -1, -1, -1)  # last (running, waiting, used, total) set
+        self._prefix = (0, 0, 0, -1)  # last (queried, hit, evictions, cached free) counted
+        # (monotonic, tokens queried, hit) per change over the last HIT_RATE_WINDOW_S, summed
+        self._hits: deque[tuple[float, int, int]] = deque()
+        self._window_q = self._window_h = 0
 
     # requests -----------------------------------------------------------------------------
 
@@ -215,6 +245,14 @@ class CoreMetrics:
             self.preemptions.inc(scheduler.num_preemptions - self._preemptions)
             self._preemptions = scheduler.num_preemptions
         blocks = scheduler.blocks
+        prefix = (
+            scheduler.num_queried_tokens,
+            scheduler.num_hit_tokens,
+            blocks.num_evictions,
+            blocks.num_cached_free,
+        )
+        if prefix != self._prefix:
+            self._observe_prefix(prefix)
         now = (
             len(scheduler.running),
             scheduler.num_waiting,
@@ -232,6 +270,29 @@ class CoreMetrics:
         ):
             if value != old:
                 gauge.set(value)
+
+    def _observe_prefix(self, now: tuple[int, int, int, int]) -> None:
+        queried, hit, evictions, cached_free = now
+        last, self._prefix = self._prefix, now
+        if evictions > last[2]:
+            self.prefix_evictions.inc(evictions - last[2])
+        if cached_free != last[3]:
+            self.blocks_cached.set(cached_free)
+        if queried == last[0]:
+            return
+        self.prefix_queried.inc(queried - last[0])
+        if hit > last[1]:
+            self.prefix_hit.inc(hit - last[1])
+        dq, dh = queried - last[0], hit - last[1]
+        t, window = time.monotonic(), self._hits
+        window.append((t, dq, dh))
+        self._window_q += dq
+        self._window_h += dh
+        while window[0][0] < t - HIT_RATE_WINDOW_S:
+            _, oq, oh = window.popleft()
+            self._window_q -= oq
+            self._window_h -= oh
+        self.prefix_hit_rate.set(self._window_h / self._window_q if self._window_q else 0.0)
 
     # tenants ------------------------------------------------------------------------------
 

@@ -67,6 +67,10 @@ class Request:
         "queued_at",
         "tenant_id",
         "prompt_charged",
+        "cache_salt",
+        "block_hashes",
+        "num_cached_prompt",
+        "num_named",
         "started",
         "limit",
         "status",
@@ -90,6 +94,10 @@ class Request:
         self.tenant_id = 0  # the policy's index of the tenant
         self.prompt_charged = 0  # prompt tokens charged to the tenant (a recompute is free)
         self.started = False  # got a seat once (a preempted request has)
+        self.cache_salt = msg.cache_salt
+        self.block_hashes: list[bytes] = []  # chained hashes of its first full blocks (kv_blocks)
+        self.num_cached_prompt = 0  # prompt tokens found in the prefix cache at its first seat
+        self.num_named = 0  # leading blocks it holds that were offered to the cache by name
         self.limit = int(
             length_limit(len(msg.prompt_token_ids), msg.params.max_tokens, batch.max_model_len)
         )

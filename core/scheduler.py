@@ -5,6 +5,12 @@ request continues; `update_from_output(step, result) -> StepOutput` applies a st
 ids once they arrive. Several steps may be in flight between the two. Running requests'
 counters live in arrays indexed by slot (core/running.py), so a decode step is planned and
 applied with array operations over the batch.
+
+Prefix caching (invariants in core/kv_blocks.py): a request taking a seat takes the longest
+cached chain of its tokens and starts computing at the first token past it; prompt blocks are
+named when the step that fills them is built, after this step's admissions, so a request never
+hits a block that the same step writes; all full blocks with known ids are named when a request
+leaves its slot (finished or preempted), so a preempted request usually finds its own KV again.
 """
 
 from __future__ import annotations
@@ -14,13 +20,24 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gapless.core.common.messages import AddRequest, NewSlot, SampleLogprobs, StepPlan, StepResult
-from gapless.core.kv_blocks import BlockManager, SlotManager
+from gapless.core.common.messages import (
+    AddRequest,
+    NewSlot,
+    SampleLogprobs,
+    SamplingParams,
+    StepPlan,
+    StepResult,
+)
+from gapless.core.kv_blocks import BlockManager, SlotManager, chain_hashes, hash_root
 from gapless.core.policy import Policy
 from gapless.core.request import Request, Status, check_stop
 from gapless.core.running import RunningBatch
 
 _EMPTY = np.zeros(0, np.int64)
+
+
+def _has_penalty(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
 @dataclass
@@ -31,6 +48,7 @@ class ScheduledStep:
     sample_epochs: np.ndarray = field(default_factory=lambda: _EMPTY)  # [B_s] slot epochs
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
+    num_cached_tokens: int = 0  # tokens admitted requests found in the prefix cache
     plan_sent: float = 0.0  # perf_counter when the plan left the core
     schedule_s: float = 0.0  # time spent building it
 
@@ -57,8 +75,16 @@ class Scheduler:
         max_model_len: int,
         eos_token_ids: tuple[int, ...],
         policy: Policy | None = None,
+        prefix_caching: bool = True,
+        model_salt: str = "",
     ) -> None:
-        self.blocks = BlockManager(num_blocks, block_size)
+        self.blocks = BlockManager(num_blocks, block_size, caching=prefix_caching)
+        self.prefix_caching = prefix_caching
+        self._model_salt = model_salt
+        self._roots: dict[str, bytes] = {}  # cache salt -> hash root
+        # prefix cache, over every admission (a recompute after preemption included)
+        self.num_queried_tokens = 0  # tokens looked up
+        self.num_hit_tokens = 0  # of which found cached
         self.slots = SlotManager(max_num_seqs)
         self.rb = RunningBatch(max_num_seqs, max_model_len)
         self.max_num_seqs = max_num_seqs
@@ -74,6 +100,7 @@ class Scheduler:
         self.num_priority_preemptions = 0
         self._num_added = 0
         self._seq = 0
+        self._num_cached_admitted = 0  # by the last _admit
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -82,6 +109,9 @@ class Scheduler:
         req = Request(msg, self.rb, self._num_added)
         assert req.request_id not in self.requests, f"duplicate request id {req.request_id}"
         req.tenant_id = self.policy.tenant_id(req.tenant)
+        if msg.block_hashes and self.prefix_caching:
+            assert len(msg.block_hashes) <= req.num_prompt // self.blocks.block_size
+            req.block_hashes = msg.block_hashes
         self.requests[req.request_id] = req
         self.policy.add(req)
         return req
@@ -144,6 +174,11 @@ class Scheduler:
         self.running.remove(req)
         self._run_slots = None
         slot = req.slot
+        if self.prefix_caching:  # its full blocks whose ids are known and KV sent: cacheable
+            known = min(int(self.rb.computed[slot]), req.num_prompt + len(req.output_ids))
+            n, first = min(known // self.blocks.block_size, len(req.blocks)), req.num_named
+            if n > first:
+                self.blocks.register(req.blocks[first:n], self._hashes(req, n)[first:n])
         self.rb.release(slot)
         self.blocks.free(req.blocks)
         req.blocks = []
@@ -224,31 +259,76 @@ class Scheduler:
         slots: list[int] = []
         takes: list[int] = []
         policy = self.policy
+        num_cached = 0
         while budget > 0 and len(self.running) < self.max_num_seqs:
             req = policy.peek()
             if req is None:
                 break
-            n = min(req.num_tokens, budget)
-            nb = self.blocks.blocks_for(n)
-            if not self.blocks.can_allocate(nb):
+            total = req.num_tokens
+            hit = self._lookup(req) if self.prefix_caching else []
+            cached = len(hit) * self.blocks.block_size
+            n = min(total - cached, budget)
+            nb = self.blocks.blocks_for(cached + n) - len(hit)
+            if not self.blocks.can_allocate(nb + self.blocks.num_unreferenced(hit)):
                 break
             policy.remove(req)
-            policy.on_admit(req, req.limit - req.num_tokens)
+            policy.on_admit(req, req.limit - total)
             req.status = Status.RUNNING
+            if not req.started:
+                req.num_cached_prompt = min(cached, req.num_prompt)
             req.started = True
             self.rb.admit(req, self.slots.allocate())
-            req.blocks = self.blocks.allocate(nb)
-            self.rb.num_blocks[req.slot] = nb
+            self.blocks.take(hit)
+            req.blocks = hit + self.blocks.allocate(nb)
+            req.num_named = len(hit)
+            self.rb.num_blocks[req.slot] = len(req.blocks)
+            self.rb.computed[req.slot] = cached
+            # cached prompt tokens are never charged to the tenant
+            req.prompt_charged = max(req.prompt_charged, min(cached, req.num_prompt))
+            self.num_queried_tokens += total
+            self.num_hit_tokens += cached
+            num_cached += cached
             self.running.append(req)
             self._run_slots = None
-            new_slots.append(
-                NewSlot(slot=req.slot, params=req.params, num_prompt_tokens=req.num_prompt)
-            )
+            new = NewSlot(slot=req.slot, params=req.params, num_prompt_tokens=req.num_prompt)
+            if cached and _has_penalty(req.params):
+                new.cached_ids = req.known_tokens(0, cached)
+            new_slots.append(new)
             slots.append(req.slot)
             takes.append(n)
             budget -= n
-            self._charge_prompt(req, n)  # now, so the next pick in this loop sees it
+            self._charge_prompt(req, cached + n)  # now, so the next pick in this loop sees it
+        self._num_cached_admitted = num_cached
         return new_slots, np.asarray(slots, np.int64), np.asarray(takes, np.int64)
+
+    def _lookup(self, req: Request) -> list[int]:
+        """Blocks of the longest cached prefix a request may take: at most (tokens - 1) //
+        block size, so that it computes at least its last token (kv_blocks invariant 4)."""
+        max_blocks = (req.num_tokens - 1) // self.blocks.block_size
+        if max_blocks <= 0:
+            return []
+        # why the first block alone first: a miss there (the common case with no sharing)
+        # then costs one sha256, not the whole prompt's
+        if not self.blocks.lookup(self._hashes(req, 1)[:1]):
+            return []
+        return self.blocks.lookup(self._hashes(req, max_blocks)[:max_blocks])
+
+    def _hashes(self, req: Request, n: int) -> list[bytes]:
+        """The request's chained block hashes, computed once each, at least n of them (the
+        ids of its first n blocks must be known)."""
+        hashes = req.block_hashes
+        if len(hashes) < n:
+            bs = self.blocks.block_size
+            if hashes:
+                parent = hashes[-1]
+            else:
+                parent = self._roots.get(req.cache_salt) or self._root(req.cache_salt)
+            hashes.extend(chain_hashes(parent, req.known_tokens(len(hashes) * bs, n * bs), bs))
+        return hashes
+
+    def _root(self, salt: str) -> bytes:
+        root = self._roots[salt] = hash_root(self._model_salt, salt)
+        return root
 
     def _charge_prompt(self, req: Request, end: int) -> None:
         """Charge the prompt tokens below `end` that were never charged: each is charged once,
@@ -264,11 +344,16 @@ class Scheduler:
         sample = start + take == rb.num_tokens(slots)
         has_tokens = start < rb.prefill_end[slots]
         token_ids: list[int] = []
+        bs, caching = self.blocks.block_size, self.prefix_caching
         for j in np.flatnonzero(has_tokens):  # prompt chunks and recomputes: a few per step
             req = rb.req[slots[j]]
-            end = int(start[j] + take[j])
-            token_ids.extend(req.known_tokens(int(start[j]), end))
+            begin, end = int(start[j]), int(start[j] + take[j])
+            token_ids.extend(req.known_tokens(begin, end))
             self._charge_prompt(req, end)
+            if caching and end // bs > begin // bs:  # blocks this step fills: cacheable once sent
+                first, last = begin // bs, end // bs
+                self.blocks.register(req.blocks[first:last], self._hashes(req, last)[first:last])
+                req.num_named = last
         assert (take[~has_tokens] == 1).all(), "a device-fed entry has one token"
         new_count = rb.num_blocks[slots] - rb.num_sent[slots]
         new_blocks: list[int] = []
@@ -300,6 +385,7 @@ class Scheduler:
             sample_epochs=rb.epoch[sample_slots].copy(),
             num_prefill_tokens=int(take[has_tokens].sum()),
             num_decode_tokens=int((~has_tokens).sum()),
+            num_cached_tokens=self._num_cached_admitted,
         )
 
     # ------------------------------------------------------------------ results

@@ -49,6 +49,7 @@ class DeviceTimeline:
         result: StepResult,
         applied: float,
         apply_s: float,
+        num_cached_tokens: int = 0,
     ) -> StepRecord:
         t = result.timing
         assert t is not None, "the runner sends a timing with every result"
@@ -80,6 +81,7 @@ class DeviceTimeline:
             apply_ms=apply_s * 1e3,
             idle_before_ms=idle * 1e3,
             waiting=waiting,
+            num_cached_tokens=num_cached_tokens,
         )
         self.steps.append(rec)
         if self._trace is not None and num_tokens:
@@ -131,6 +133,8 @@ class TraceWriter:
 
     def step(self, r: StepRecord, idle: float) -> None:
         args = {"tokens": r.num_tokens, "seqs": r.num_seqs, "prefill": r.num_prefill_tokens}
+        if r.num_cached_tokens:
+            args["cached"] = r.num_cached_tokens
         self._span(1, f"step {r.seq}", r.device_start, r.device_end, args)
         if idle > 0:
             self._span(2, "idle", r.device_start - idle, r.device_start)

@@ -68,6 +68,8 @@ class DetokenizerState:
                     token_lps = self._logprobs.build(ids, lps, req.num_top)
                 error = errors[i] if errors else ""
                 delta = req.step(ids, end, batch.num_prompt_tokens[i], token_lps, error)
+                if delta is not None and batch.num_cached_tokens:
+                    delta.num_cached_tokens = batch.num_cached_tokens[i]
             except Exception as e:  # one request's failure must not end the others
                 delta = req.fail(
                     f"detokenizer: {type(e).__name__}: {e}", batch.num_prompt_tokens[i]

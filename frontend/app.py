@@ -140,6 +140,13 @@ class App:
                 "num_waiting": stats.num_waiting,
                 "num_free_blocks": stats.num_free_blocks,
                 "num_total_blocks": stats.num_total_blocks,
+                "prefix_cache": {
+                    "num_cached_blocks": stats.num_cached_blocks,
+                    "num_cached_free_blocks": stats.num_cached_free_blocks,
+                    "queried_tokens": stats.prefix_queried_tokens,
+                    "hit_tokens": stats.prefix_hit_tokens,
+                    "evictions": stats.prefix_evictions,
+                },
             },
         )
 

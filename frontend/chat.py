@@ -13,6 +13,7 @@ from gapless.frontend.asgi import HttpRequest, Responder, encoder
 from gapless.frontend.errors import bad_request, decode_body
 from gapless.frontend.generation import ChoiceResult, Job, respond
 from gapless.frontend.params import (
+    check_cache_salt,
     check_logprobs,
     check_max_tokens,
     check_model,
@@ -96,6 +97,7 @@ async def handle_chat(
     base = sampling_params(body, 1, logprobs, config)
     tenant = tenant_of(caller, req.headers.get("x-tenant"), body.user)
     priority = priority_of(body.priority, tenant, config)
+    salt = check_cache_salt(body.cache_salt)
     response_id, created, model = (
         f"chatcmpl-{uuid.uuid4().hex}",
         int(arrival),
@@ -124,7 +126,9 @@ async def handle_chat(
         state.admission.admit_tokens(ticket, len(prompt_ids), received)
         params = per_choice(msgspec.structs.replace(base, max_tokens=budget), n)
         rid = state.engine.next_request_id()
-        job = Job("chat", rid, prompt_ids, params, tenant, priority, arrival, ticket)
+        job = Job(
+            "chat", rid, prompt_ids, params, tenant, priority, arrival, ticket, cache_salt=salt
+        )
         await respond(
             state,
             job,

@@ -12,6 +12,7 @@ from gapless.frontend.asgi import HttpRequest, Responder, encoder
 from gapless.frontend.errors import bad_request, decode_body
 from gapless.frontend.generation import ChoiceResult, Job, respond
 from gapless.frontend.params import (
+    check_cache_salt,
     check_logprobs,
     check_max_tokens,
     check_model,
@@ -72,6 +73,7 @@ async def handle_completions(
     base = sampling_params(body, 1, logprobs, config)
     tenant = tenant_of(caller, req.headers.get("x-tenant"), body.user)
     priority = priority_of(body.priority, tenant, config)
+    salt = check_cache_salt(body.cache_salt)
     response_id, created, model = f"cmpl-{uuid.uuid4().hex}", int(arrival), config.served_model_name
 
     def build(choices: list[ChoiceResult], usage: Usage) -> Completion:
@@ -96,7 +98,17 @@ async def handle_completions(
         state.admission.admit_tokens(ticket, len(prompt_ids), received)
         params = per_choice(msgspec.structs.replace(base, max_tokens=budget), n)
         rid = state.engine.next_request_id()
-        job = Job("completions", rid, prompt_ids, params, tenant, priority, arrival, ticket)
+        job = Job(
+            "completions",
+            rid,
+            prompt_ids,
+            params,
+            tenant,
+            priority,
+            arrival,
+            ticket,
+            cache_salt=salt,
+        )
         await respond(
             state,
             job,

@@ -58,6 +58,7 @@ def _joined(a: TextDelta, b: TextDelta) -> TextDelta:
         logprobs,
         b.error,
         b.code,
+        b.num_cached_tokens,
     )
 
 
@@ -207,6 +208,8 @@ class EngineClient:
         ticket: Ticket | None = None,
         keepalive_s: float = 0.0,
         label: str = "",
+        cache_salt: str = "",
+        block_hashes: list[bytes] | None = None,
     ) -> AsyncIterator[tuple[int, TextDelta]]:
         """One engine request per params entry (ids `{request_id}-{i}`), merged as
         (choice index, delta) until every choice's last delta (one with a finish_reason).
@@ -240,7 +243,16 @@ class EngineClient:
             for rid, p in zip(ids, params, strict=True):
                 self._send(
                     AddRequest(
-                        rid, self.frontend_id, prompt_token_ids, p, arrival, tenant, priority, label
+                        rid,
+                        self.frontend_id,
+                        prompt_token_ids,
+                        p,
+                        arrival,
+                        tenant,
+                        priority,
+                        label=label,
+                        cache_salt=cache_salt,
+                        block_hashes=block_hashes or [],
                     )
                 )
             loop = asyncio.get_running_loop()

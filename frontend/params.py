@@ -33,6 +33,21 @@ def _in_range(value: float, low: float, high: float, name: str, *, low_open: boo
     return value
 
 
+MAX_CACHE_SALT_CHARS = 256
+
+
+def check_cache_salt(salt: str | None) -> str:
+    """The request's prefix-cache salt ("" when absent); an empty or long one is a 400."""
+    if salt is None:
+        return ""
+    if not salt or len(salt) > MAX_CACHE_SALT_CHARS:
+        raise bad_request(
+            f"cache_salt must be 1 to {MAX_CACHE_SALT_CHARS} characters, got {len(salt)}",
+            param="cache_salt",
+        )
+    return salt
+
+
 def check_n(n: int | None, config: EngineConfig) -> int:
     n = 1 if n is None else n
     if not 1 <= n <= config.max_n:

@@ -43,6 +43,8 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     # an integer in [-1000, 1000], lower runs sooner, or interactive (-10), default (0), batch (10);
     # absent: the tenant's default. Checked in frontend.tenants
     priority: int | str | None = None
+    # prefix-cache blocks are shared only between requests with the same salt (and none)
+    cache_salt: str | None = None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):

@@ -7,10 +7,15 @@ import msgspec
 from gapless.core.common.messages import TokenLogprob
 
 
+class PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int  # prompt tokens whose KV came from the prefix cache
+
+
 class Usage(msgspec.Struct):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 # ---------------------------------------------------------------- /v1/completions

@@ -136,6 +136,8 @@ class ModelRunner:
         for new in plan.new_slots:
             self.batch.add(new.slot)
             self.sampler.add(new.slot, new.params, new.num_prompt_tokens)
+            if new.cached_ids:
+                self.sampler.record_cached(new.slot, new.cached_ids)
             lp = new.params.logprobs
             self.num_logprobs[new.slot] = -1 if lp is None else min(lp, self.config.max_logprobs)
 

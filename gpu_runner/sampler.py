@@ -241,6 +241,14 @@ class SamplerState:
         self._prompt_flat.index_fill_(0, torch.where(is_prompt, flat, spare), True)
         self._counts.view(-1).index_add_(0, flat, (~is_prompt).to(torch.int32))
 
+    def record_cached(self, slot: int, token_ids: list[int]) -> None:
+        """Count the ids at positions 0.. of a slot whose KV came from the prefix cache."""
+        n = len(token_ids)
+        slots = torch.full((n,), slot, dtype=torch.int64, device=self.device)
+        positions = torch.arange(n, dtype=torch.int64, device=self.device)
+        ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
+        self.record(slots, positions, ids, [slot])
+
     def penalized_logits(self, logits: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
         """logits [B, V] float32 after repetition, frequency and presence penalties."""
         self._push()

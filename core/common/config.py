@@ -101,6 +101,14 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             },
         ),
     ] = True
+    prefix_caching: Annotated[
+        bool,
+        msgspec.Meta(
+            description="reuse the KV of prompt prefixes already computed (full blocks, by "
+            "chained hash; unreferenced ones are evicted least recently used)",
+            extra={"off": "compute every prompt token, even of a prefix computed before"},
+        ),
+    ] = True
     scheduling_policy: Annotated[
         SchedulingPolicy,
         msgspec.Meta(

@@ -62,6 +62,10 @@ class AddRequest(_Msg):
     tenant: str = ""
     priority: int = 0  # in [-1000, 1000], lower runs sooner: -10 interactive, 0 default, 10 batch
     label: str = ""  # the client's X-Request-Id (or one made up), for logs; clients reuse ids
+    cache_salt: str = ""  # requests hit only prefix-cache blocks computed under the same salt
+    # chained hashes of the prompt's full blocks (core/common/block_hash.py) for this engine's
+    # block size, model and cache_salt, computed by the frontend; empty: the core computes them
+    block_hashes: list[bytes] = []
 
 
 class Abort(_Msg):
@@ -110,6 +114,9 @@ class NewSlot(_Msg):
     slot: int
     params: SamplingParams
     num_prompt_tokens: int  # positions below this are prompt tokens (penalties treat them apart)
+    # ids at the positions the prefix cache already holds (never fed), sent only when the
+    # request has penalties: the sampler must count every token of the sequence
+    cached_ids: list[int] = []
 
 
 class StepPlan(_Msg):
@@ -202,6 +209,9 @@ class TokenBatch(_Msg):
     # empty when no request in the batch asked
     logprobs: list[SampleLogprobs | None] = []
     errors: list[str] = []  # per entry, "" unless finish_reason is "error"; empty when none
+    # per entry, the prompt tokens its request found in the prefix cache; empty unless an entry
+    # ends here (only the last delta of a request reports it)
+    num_cached_tokens: list[int] = []
 
 
 DetokInput = DetokNew | TokenBatch | Shutdown
@@ -233,6 +243,7 @@ class TextDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None
     code: str | None = None  # with error: "queue_timeout" (the client's load), else an engine fault
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache; set on the last delta
 
 
 class TextDeltas(_Msg):
@@ -256,8 +267,14 @@ class EngineStats(_Msg):
     token: int
     num_running: int
     num_waiting: int
-    num_free_blocks: int
+    num_free_blocks: int  # empty blocks and cached blocks no request holds
     num_total_blocks: int
+    # prefix cache
+    num_cached_blocks: int = 0  # blocks holding KV under a hash, held or not
+    num_cached_free_blocks: int = 0  # of which no request holds (evicted when needed)
+    prefix_queried_tokens: int = 0  # tokens looked up at admissions, since start
+    prefix_hit_tokens: int = 0  # of which found cached
+    prefix_evictions: int = 0  # cached blocks reused for other content, since start
 
 
 class StepRecord(msgspec.Struct, omit_defaults=True, gc=False):
@@ -282,6 +299,7 @@ class StepRecord(msgspec.Struct, omit_defaults=True, gc=False):
     apply_ms: float
     idle_before_ms: float  # device idle between the previous step and this one, work waiting
     waiting: bool  # requests were in the engine during that gap
+    num_cached_tokens: int = 0  # tokens requests admitted this step found in the prefix cache
 
 
 class TimelineSummary(msgspec.Struct, gc=False):

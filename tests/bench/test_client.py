@@ -169,3 +169,17 @@ def test_load_counts_failures_and_goes_on(rate, concurrency):
     assert "stream ended before [DONE]" in failed
     assert all(r.output_tokens == 5 for r in result.records if r.ok)
     assert {b["prompt"] for b in app.bodies} == {f"prompt {i}" for i in range(8)}
+
+
+def test_sessions_resend_their_history_each_turn():
+    app = FakeOpenAI()
+    reqs = tuple(BenchRequest(f"s{s}t{t}", 1, 2, session=s) for s in range(2) for t in range(3))
+    w = Workload("chat:2:3:1:2", reqs, synthetic=True, think_s=0.01)
+    with ThreadedServer(app) as server:
+        result = asyncio.run(run_load(server.url, None, "fake-model", w, LoadSpec(progress=False)))
+    assert len(result.records) == 6 and all(r.ok for r in result.records)
+    prompts = [b["prompt"] for b in app.bodies]
+    # each turn: the session's last prompt, the answer's text (" w0 w1"), then the new message
+    assert "s0t0 w0 w1 s0t1" in prompts and "s0t0 w0 w1 s0t1 w0 w1 s0t2" in prompts
+    assert "s1t0 w0 w1 s1t1 w0 w1 s1t2" in prompts
+    assert all(r.prompt_len == 1 for r in result.records), "lengths from the server's usage"

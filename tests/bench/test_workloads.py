@@ -127,3 +127,26 @@ def test_loogle_file_is_cut_to_the_context(tmp_path, maker):
     r = w.requests[0]
     assert r.prompt_len + r.output_len <= 1000
     assert "Which word repeats?" in r.prompt
+
+
+def test_prefix_workload_shares_one_system_prompt(maker):
+    w = build_workload("prefix:64:5-9:7", maker, num_requests=12, seed=1)
+    assert w.synthetic and len(w.requests) == 12 and is_known("prefix:64:5-9:7")
+    system = w.requests[0].prompt.split(" ")[:64]
+    for r in w.requests:
+        assert r.prompt.split(" ")[:64] == system, "every prompt starts with the system prompt"
+        assert 64 + 5 <= r.prompt_len <= 64 + 9 and maker.count(r.prompt) == r.prompt_len
+        assert r.output_len == 7
+    assert len({r.prompt for r in w.requests}) == 12, "the questions differ"
+    for bad in ("prefix:64:5", "prefix:x:5:7", "prefix:64:9-5:7"):
+        assert not is_known(bad)
+
+
+def test_chat_workload_has_sessions_of_turns(maker):
+    w = build_workload("chat:3:4:10:6:0.5", maker, num_requests=1, seed=1)
+    assert len(w.requests) == 12 and w.think_s == 0.5
+    assert [r.session for r in w.requests] == [s for s in range(3) for _ in range(4)]
+    assert all(maker.count(r.prompt) == 10 and r.output_len == 6 for r in w.requests)
+    assert (
+        is_known("chat:3:4:10:6") and not is_known("chat:3:4") and not is_known("chat:3:4:10:6:-1")
+    )

@@ -37,6 +37,7 @@ FLAGS = {
     "--block-size": "16",
     "--kv-cache-memory": "512MiB",
     "--no-overlap": "overlap on",
+    "--no-prefix-caching": "prefix caching on",
     "--scheduling-policy {fair,priority,fcfs}": "fair",
     "--fair-output-weight": "2.0",
     "--priority-aging": "30.0",

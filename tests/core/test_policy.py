@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import zlib
 
 import numpy as np
 
@@ -17,7 +18,9 @@ def add(s: Scheduler, rid: str, tenant: str = "", priority: int = 0, prompt=8, o
         AddRequest(
             request_id=rid,
             frontend_id=0,
-            prompt_token_ids=list(range(10, 10 + prompt)),
+            # distinct first ids: the requests share no prefix-cache block
+            prompt_token_ids=[100 + zlib.crc32(rid.encode()) % 30000]
+            + list(range(11, 10 + prompt)),
             params=SamplingParams(max_tokens=out),
             arrival_time=time.time(),
             tenant=tenant,

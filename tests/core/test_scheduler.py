@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import time
 
+import pytest
+
 from gapless.core.common.messages import AddRequest, SamplingParams, StepResult
 from gapless.core.scheduler import ScheduledStep, Scheduler
 
@@ -24,13 +26,14 @@ def make_scheduler(**overrides) -> Scheduler:
 
 
 def make_requests(sched: Scheduler, n: int, prompt_len: int = 6, **params) -> list:
+    """n requests with distinct prompts (they share no prefix-cache block)."""
     params.setdefault("max_tokens", 8)
     return [
         sched.add_request(
             AddRequest(
                 request_id=f"r{i}",
                 frontend_id=0,
-                prompt_token_ids=list(range(10, 10 + prompt_len)),
+                prompt_token_ids=[100 + i] + list(range(11, 10 + prompt_len)),
                 params=SamplingParams(**params),
                 arrival_time=time.time(),
             )
@@ -123,8 +126,9 @@ def make_requests_named(s, rid, prompt_len):
     )
 
 
-def test_preemption_recomputes_the_newest_and_keeps_its_place():
-    s = make_scheduler(num_blocks=7, block_size=4)  # 6 usable blocks
+@pytest.mark.parametrize("caching", [False, True])
+def test_preemption_recomputes_the_newest_and_keeps_its_place(caching):
+    s = make_scheduler(num_blocks=7, block_size=4, prefix_caching=caching)  # 6 usable blocks
     # 2 blocks each at admission, 5 at most: both fit the cache alone, not together
     reqs = make_requests(s, 2, prompt_len=8, max_tokens=12)
     for _ in range(12):
@@ -143,8 +147,12 @@ def test_preemption_recomputes_the_newest_and_keeps_its_place():
             break
         s.update_from_output(step, fake_result(step))
     j = step.plan.slots.index(reqs[1].slot)
-    assert step.plan.has_tokens[j] and step.plan.start_pos[j] == 0
-    assert step.plan.num_tokens[j] == known, "prompt and every known output, in one chunk"
+    start = step.plan.start_pos[j]
+    assert step.plan.has_tokens[j] and start + step.plan.num_tokens[j] == known
+    if caching:  # the blocks it left behind stayed cached: it recomputes only past them
+        assert start > 0 and start % 4 == 0
+    else:
+        assert start == 0, "prompt and every known output, in one chunk"
 
 
 def test_request_that_can_never_fit_is_reported():

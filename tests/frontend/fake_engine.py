@@ -34,6 +34,7 @@ class FakeEngine(EngineClient):
         self.added: list[AddRequest] = []
         self.aborted: list[str] = []
         self.delay_s = 0.0  # between deltas
+        self.cached_tokens = 0  # prompt tokens the last delta says the prefix cache held
         self.finish_with: str | None = None  # "error" or "abort": delta number fail_at ends so
         self.fail_at = 0
         self.gate: asyncio.Event | None = None  # when set: deltas wait for it after the first
@@ -114,6 +115,8 @@ class FakeEngine(EngineClient):
             delta = TextDelta(
                 req.request_id, text, [token_id], num_prompt, i + 1, finish, logprobs, error
             )
+            if finish is not None:
+                delta.num_cached_tokens = self.cached_tokens
             self.dispatch(TextDeltas([delta]))
             if finish is not None:
                 return

@@ -3,6 +3,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from gapless.core.common.block_hash import chain_hashes, hash_root
 from gapless.core.common.messages import AddRequest
 from tests.frontend.conftest import MODEL, sse_events
 from tests.frontend.fake_engine import FakeEngine
@@ -35,6 +36,7 @@ async def test_completion_whole(client: httpx.AsyncClient, engine: FakeEngine) -
         "prompt_tokens": len(prompt_ids),
         "completion_tokens": 3,
         "total_tokens": len(prompt_ids) + 3,
+        "prompt_tokens_details": {"cached_tokens": 0},
     }
 
 
@@ -84,6 +86,38 @@ async def test_completion_stream_with_usage(client: httpx.AsyncClient) -> None:
     assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, "length"]
     assert all(c["object"] == "text_completion" for c in chunks)
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 2
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_usage_reports_cached_prompt_tokens(
+    client: httpx.AsyncClient, engine: FakeEngine, stream: bool
+) -> None:
+    engine.cached_tokens = 2
+    body = {"prompt": PROMPT, "max_tokens": 2, "cache_salt": "tenant-a"}
+    if stream:
+        body |= {"stream": True, "stream_options": {"include_usage": True}}
+    r = await client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    usage = sse_events(r.text)[-2]["usage"] if stream else r.json()["usage"]
+    assert usage["prompt_tokens_details"] == {"cached_tokens": 2}
+    assert engine.added[0].cache_salt == "tenant-a"
+
+
+async def test_the_frontend_names_the_prompts_blocks(
+    client: httpx.AsyncClient, engine: FakeEngine, config
+) -> None:
+    long = " ".join(["word"] * 40)
+    r = await client.post("/v1/completions", json={"prompt": long, "cache_salt": "s"})
+    assert r.status_code == 200
+    (added,) = engine.added
+    ids = added.prompt_token_ids
+    assert len(ids) >= 32 and len(added.block_hashes) == len(ids) // config.block_size
+    assert added.block_hashes == chain_hashes(hash_root(config.model.path, "s"), ids, 16)
+
+
+async def test_an_empty_cache_salt_is_refused(client: httpx.AsyncClient) -> None:
+    r = await client.post("/v1/completions", json={"prompt": PROMPT, "cache_salt": ""})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "cache_salt"
 
 
 async def test_completion_n2_seeds_and_logprobs(

@@ -1,0 +1,26 @@
+"""Names of full KV blocks for prefix caching: a sha256 chained over every token before the
+block's end, rooted in the model and the request's cache salt. The frontend names a prompt's
+blocks (off the core's step loop); the core names what the frontend could not (outputs)."""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+
+
+def hash_root(model: str, salt: str) -> bytes:
+    """The parent hash of a request's first block: one per model and cache salt."""
+    return hashlib.sha256(b"gapless-kv\0" + model.encode() + b"\0" + salt.encode()).digest()
+
+
+def chain_hashes(parent: bytes, token_ids: list[int], block_size: int) -> list[bytes]:
+    """Hashes of the full blocks of token_ids (as int32), each chained to the one before it
+    (the first to parent). ~1.4 us per 16-token block here."""
+    data = array("i", token_ids).tobytes()
+    step = 4 * block_size
+    sha = hashlib.sha256
+    out = []
+    for i in range(0, len(token_ids) // block_size * step, step):
+        parent = sha(parent + data[i : i + step]).digest()
+        out.append(parent)
+    return out
