@@ -32,17 +32,22 @@ def check_stop(
     has_stop_ids: np.ndarray,
     requests: list[Request],
     eos: np.ndarray,
+    min_len: np.ndarray | None = None,
 ) -> tuple[list[str], np.ndarray]:
     """Why each row's request ends after sampling tokens[j] ("" if it goes on), and [R] bool
     whether it ends.
 
     All arrays are [R], one row per request: tokens its new id; num_tokens its length with that
-    id; limit its Request.limit; requests are read only for rows with stop token ids. A stop
+    id; limit its Request.limit; requests are read only for rows with stop token ids; min_len
+    the prompt length plus min_tokens (a stop token at or below it does not end the request;
+    the sampler masks them there, this guards the devices that do not sample). A stop
     token wins over length: it ends the request either way and its text is withheld.
     """
     stop = (tokens[:, None] == eos).any(1) & ~ignore_eos
     for j in np.flatnonzero(has_stop_ids).tolist():  # only rows that gave stop_token_ids
         stop[j] |= int(tokens[j]) in requests[j].params.stop_token_ids
+    if min_len is not None:
+        stop &= num_tokens > min_len
     length = num_tokens >= limit
     reasons = np.where(stop, "stop_token", np.where(length, "length", "")).tolist()
     return reasons, stop | length

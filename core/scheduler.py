@@ -325,6 +325,7 @@ class Scheduler:
             has_stop_ids,
             requests if has_stop_ids.any() else [],
             self._eos,
+            rb.min_len[s],
         )
         if len(rows) < len(slots):  # preempted or finished since planning: a few rows
             moved = self._apply_moved(step, np.flatnonzero(~live), tokens)
@@ -374,4 +375,5 @@ class Scheduler:
             np.asarray([bool(p.stop_token_ids) for p in params], bool),
             requests,
             self._eos,
+            np.asarray([r.num_prompt + r.params.min_tokens for r in requests], np.int64),
         )

@@ -105,6 +105,7 @@ class ModelRunner:
             self.device,
             max_logprobs=config.max_logprobs,
             seed=config.seed,
+            eos_token_ids=tuple(config.model.eos_token_ids),
         )
         self.num_logprobs = np.full(config.max_num_seqs, -1, dtype=np.int64)  # -1: not asked
         self.last_seq = 0

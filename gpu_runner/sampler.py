@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from gapless.core.common.messages import SamplingParams
+from gapless.gpu_runner.logit_rules import LogitRules
 
 # columns of the float parameter table
 _TEMP, _TOP_P, _MIN_P, _PRES, _FREQ, _REP = range(6)
@@ -118,6 +119,7 @@ class SamplerState:
         device: torch.device | str,
         max_logprobs: int = 20,
         seed: int = 0,
+        eos_token_ids: tuple[int, ...] = (),
     ) -> None:
         self.max_slots = max_slots
         self.vocab_size = vocab_size
@@ -143,6 +145,7 @@ class SamplerState:
         gen = torch.Generator().manual_seed(seed)
         self._base_seed = int(torch.randint(-(2**62), 2**62, (1,), generator=gen))
         self._step = torch.zeros(1, dtype=torch.int64, device=self.device)  # sample() calls
+        self.rules = LogitRules(max_slots, vocab_size, self.device, eos_token_ids)
 
     # ------------------------------------------------------------------ slot lifecycle
 
@@ -169,6 +172,7 @@ class SamplerState:
             or params.frequency_penalty != 0.0
         )
         self._has_penalty[slot] = penalty
+        self.rules.add(slot, params)
         self._active[slot] = True
         self._dirty = True
         if penalty:  # counters of slots without penalties are never read
@@ -180,6 +184,7 @@ class SamplerState:
         self._active[slot] = False
         self._has_penalty[slot] = False
         self._num_logprobs[slot] = -1
+        self.rules.remove(slot)
 
     def _push(self) -> None:
         """Upload the parameter tables if a slot changed since the last upload."""
@@ -232,7 +237,10 @@ class SamplerState:
         Positions below the slot's num_prompt_tokens are prompt (repetition penalty only); the
         rest are output, which is how a recomputed prefill after preemption stays correct.
         """
-        if not self._has_penalty[self._batch_index(host_slots)].any():
+        index = self._batch_index(host_slots)
+        if host_slots is not None:
+            self.rules.record(index, slots, positions, token_ids)
+        if not self._has_penalty[index].any():
             return
         self._push()
         flat = slots * self.vocab_size + token_ids  # [N] int64
@@ -269,15 +277,25 @@ class SamplerState:
         self._push()
         flags = self.flags(host_slots)
         logits = logits.float()
+        adjusted = logits
+        if host_slots is not None:
+            num_prompt = self._iparams_dev[slots, _NUM_PROMPT]
+            adjusted = self.rules.apply(logits, np.asarray(host_slots), positions, num_prompt)
         step = self._step.add_(1)  # [1] int64; in place so graph replays advance it
         batch = logits.shape[0]
         rows = _CPU_BLOCK_ELEMENTS // self.vocab_size if logits.device.type == "cpu" else batch
         if batch <= max(rows, 1):
-            return self._sample_rows(logits, slots, positions, step, 0, flags)
+            return self._sample_rows(logits, adjusted, slots, positions, step, 0, flags)
         # why: on CPU, [rows, V] temporaries that fit in cache beat [B, V] ones several times
         parts = [
             self._sample_rows(
-                logits[i : i + rows], slots[i : i + rows], positions[i : i + rows], step, i, flags
+                logits[i : i + rows],
+                adjusted[i : i + rows],
+                slots[i : i + rows],
+                positions[i : i + rows],
+                step,
+                i,
+                flags,
             )
             for i in range(0, batch, rows)
         ]
@@ -291,14 +309,16 @@ class SamplerState:
     def _sample_rows(
         self,
         logits: torch.Tensor,
+        adjusted: torch.Tensor,
         slots: torch.Tensor,
         positions: torch.Tensor,
         step: torch.Tensor,
         row0: int,
         flags: BatchFlags,
     ) -> SampleOutput:
-        """sample() over rows row0.. of the batch; rows are independent of each other."""
-        x = self.penalized_logits(logits, slots) if flags.any_penalty else logits
+        """sample() over rows row0.. of the batch; rows are independent of each other.
+        Sampling reads `adjusted` (the request's logit rules applied); logprobs read `logits`."""
+        x = self.penalized_logits(adjusted, slots) if flags.any_penalty else adjusted
         if flags.all_greedy:
             token_ids = _argmax(x)
         else:

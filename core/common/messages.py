@@ -48,6 +48,10 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     stop: tuple[str, ...] = ()
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    min_tokens: int = 0  # EOS and stop token ids are masked until this many outputs
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    allowed_token_ids: tuple[int, ...] | None = None  # None: every id; else only these
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()  # token sequences never completed
 
 
 # ---------------------------------------------------------------- frontend/detokenizer -> core
