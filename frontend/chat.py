@@ -12,9 +12,11 @@ from gapless.core.common.messages import TextDelta
 from gapless.frontend.asgi import HttpRequest, Responder, encoder
 from gapless.frontend.errors import bad_request, from_decode_error
 from gapless.frontend.generation import ChoiceResult, Job, respond
+from gapless.frontend.openai_fields import CHAT_REFUSED, check_fields, struct_fields
 from gapless.frontend.params import (
     check_logprobs,
     check_max_tokens,
+    check_min_tokens,
     check_model,
     check_n,
     per_choice,
@@ -36,6 +38,7 @@ from gapless.frontend.state import FrontendState
 from gapless.frontend.tenants import Caller, priority_of, tenant_of
 
 _decoder = msgspec.json.Decoder(ChatCompletionRequest)
+_KNOWN = struct_fields(ChatCompletionRequest)
 
 
 class ChatChunks:
@@ -85,6 +88,7 @@ async def handle_chat(
         body = _decoder.decode(raw)
     except msgspec.DecodeError as exc:
         raise from_decode_error(exc) from None
+    check_fields(raw, "chat", _KNOWN, CHAT_REFUSED)
     check_model(body.model, config)
     n = check_n(body.n, config)
     budget_name = (
@@ -96,7 +100,8 @@ async def handle_chat(
         config,
     )
     logprobs = _logprobs(body, config)
-    base = sampling_params(body, 1, logprobs, config)
+    bad_words = await state.prompter.bad_words_ids(body.bad_words)
+    base = sampling_params(body, 1, logprobs, config, bad_words)
     tenant = tenant_of(caller, req.headers.get("x-tenant"), body.user)
     priority = priority_of(body.priority, tenant, config)
     response_id, created, model = (
@@ -124,10 +129,11 @@ async def handle_chat(
     with state.admission.admit(tenant, n, received) as ticket:
         prompt_ids = await state.prompter.chat_ids(body.messages)
         budget = resolve_max_tokens(max_tokens, budget_name, len(prompt_ids), "messages", config)
+        check_min_tokens(base, budget, budget_name)
         state.admission.admit_tokens(ticket, len(prompt_ids), received)
         params = per_choice(msgspec.structs.replace(base, max_tokens=budget), n)
         rid = state.engine.next_request_id()
-        job = Job("chat", rid, prompt_ids, params, tenant, priority, arrival, ticket)
+        job = Job("chat", rid, [prompt_ids] * n, params, tenant, priority, arrival, ticket)
         await respond(
             state,
             job,

@@ -120,13 +120,15 @@ class EngineClient:
         priority: int = 0,
         arrival_time: float | None = None,
         ticket: Ticket | None = None,
+        choice_prompts: list[list[int]] | None = None,
     ) -> AsyncIterator[tuple[int, TextDelta]]:
         """One engine request per params entry (ids `{request_id}-{i}`), merged as
         (choice index, delta) until every choice's last delta (one with a finish_reason).
 
         `ticket` is the request's place in `queue` from its admission decision, for
         len(params) choices (without one, a ticket is taken here); each choice leaves it when
-        its first delta comes or the request ends.
+        its first delta comes or the request ends. `choice_prompts`, one per params entry,
+        gives each choice its own prompt (a batch of completion prompts).
 
         Raises EngineDeadError if the engine is or becomes dead. Leaving early (break,
         aclose, cancellation) aborts the choices still running.
@@ -147,12 +149,9 @@ class EngineClient:
             self._queues[rid] = queue
             unstarted[rid] = ticket
         try:
-            for rid, p in zip(ids, params, strict=True):
-                self._send(
-                    AddRequest(
-                        rid, self.frontend_id, prompt_token_ids, p, arrival, tenant, priority
-                    )
-                )
+            prompts = choice_prompts or [prompt_token_ids] * len(params)
+            for rid, prompt, p in zip(ids, prompts, params, strict=True):
+                self._send(AddRequest(rid, self.frontend_id, prompt, p, arrival, tenant, priority))
             while running:
                 item = await queue.get()
                 if item is _DEAD:

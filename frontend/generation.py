@@ -18,7 +18,7 @@ from gapless.frontend.asgi import ClientGone, HttpRequest, Responder, unless_dis
 from gapless.frontend.engine_client import EngineDeadError
 from gapless.frontend.errors import ApiError, engine_unavailable
 from gapless.frontend.queue_view import Ticket
-from gapless.frontend.responses import Usage
+from gapless.frontend.responses import CompletionTokensDetails, Usage
 from gapless.frontend.state import FrontendState
 
 
@@ -26,12 +26,18 @@ from gapless.frontend.state import FrontendState
 class Job:
     endpoint: str  # "completions" or "chat", for metrics
     request_id: str
-    prompt_ids: list[int]
+    prompt_ids: list[list[int]]  # one per choice (a batch of prompts gives choices n apiece)
     params: list[SamplingParams]  # one per choice
     tenant: str
     priority: int
     arrival_time: float  # time.time()
     ticket: Ticket  # its place in the admission count
+    num_prompt_tokens: int = 0  # usage: each prompt counted once, however many choices
+
+    def __post_init__(self) -> None:
+        assert len(self.prompt_ids) == len(self.params), "one prompt per choice"
+        if not self.num_prompt_tokens:
+            self.num_prompt_tokens = len(self.prompt_ids[0])
 
 
 @dataclass
@@ -74,21 +80,23 @@ def failure(delta: TextDelta, admission: Admission) -> ApiError | None:
 
 def usage_of(job: Job, num_output_tokens: list[int]) -> Usage:
     completion = sum(num_output_tokens)
-    return Usage(len(job.prompt_ids), completion, len(job.prompt_ids) + completion)
+    prompt = job.num_prompt_tokens
+    return Usage(prompt, completion, prompt + completion, CompletionTokensDetails())
 
 
 async def _deltas(state: FrontendState, job: Job) -> AsyncIterator[tuple[int, TextDelta]]:
     """The engine's deltas for the job, with failures raised as ApiError and metrics observed."""
     observer = metrics.observer
-    observer.arrived(job.endpoint, len(job.prompt_ids))
+    observer.arrived(job.endpoint, job.num_prompt_tokens)
     first = True
     outputs = [0] * len(job.params)
     last = [0.0] * len(job.params)  # perf_counter of each choice's previous delta
     reason = None
     stream = state.engine.generate_n(
         job.request_id,
-        job.prompt_ids,
+        job.prompt_ids[0],
         job.params,
+        choice_prompts=job.prompt_ids,
         tenant=job.tenant,
         priority=job.priority,
         arrival_time=job.arrival_time,

@@ -45,9 +45,25 @@ class Prompter:
             executor=executor,
         )
 
+    async def completion_prompts(self, prompt: CompletionPrompt) -> list[list[int]]:
+        """Token ids of each prompt of a /v1/completions request (one, or a batch); BOS is added
+        to text only if the model asks."""
+        prompts = _prompts(prompt)
+        if len(prompts) > self.config.max_prompts:
+            raise bad_request(
+                f"prompt holds {len(prompts)} prompts; at most {self.config.max_prompts}",
+                param="prompt",
+            )
+        return [await self._one_prompt(p) for p in prompts]
+
     async def completion_ids(self, prompt: CompletionPrompt) -> list[int]:
-        """Token ids of a /v1/completions prompt; BOS is added to text only if the model asks."""
-        one = _single_prompt(prompt)
+        """Token ids of a one-prompt request; a batch is refused."""
+        prompts = _prompts(prompt)
+        if len(prompts) != 1:
+            raise bad_request(f"prompt holds {len(prompts)} prompts; one is needed", param="prompt")
+        return await self._one_prompt(prompts[0])
+
+    async def _one_prompt(self, one: str | list[int]) -> list[int]:
         if isinstance(one, str):
             if not one:
                 raise bad_request("prompt must not be empty", param="prompt")
@@ -66,6 +82,22 @@ class Prompter:
                     param="prompt",
                 )
         return one
+
+    async def bad_words_ids(self, words: list[str] | None) -> tuple[tuple[int, ...], ...]:
+        """Each bad word as token ids, both as written and after a space (how it appears
+        mid-sentence with a byte-level BPE)."""
+        out: dict[tuple[int, ...], None] = {}
+        for word in words or ():
+            if not word.strip():
+                raise bad_request("bad_words must not hold empty words", param="bad_words")
+            for variant in (word, " " + word.lstrip()):
+                ids = tuple(await self._encode(variant, None))
+                if ids:
+                    out[ids] = None
+        return tuple(out)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     async def chat_ids(self, messages: list[ChatMessage]) -> list[int]:
         """Token ids of the rendered conversation; the template already holds special tokens."""
@@ -86,20 +118,17 @@ class Prompter:
         return [bos, *ids] if bos is not None else ids
 
 
-def _single_prompt(prompt: CompletionPrompt) -> str | list[int]:
-    """The one prompt a request carries; a batch of several is refused."""
+def _prompts(prompt: CompletionPrompt) -> list[str | list[int]]:
+    """The prompts a request carries: text, token ids, or a list of either."""
     if isinstance(prompt, str):
-        return prompt
+        return [prompt]
+    if not prompt:
+        raise bad_request("prompt must not be empty", param="prompt")
     if all(isinstance(x, int) for x in prompt):
-        return prompt  # type: ignore[return-value]
-    if len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        return prompt[0]
+        return [prompt]  # type: ignore[list-item]
     if any(isinstance(x, int) for x in prompt):
         raise bad_request("prompt mixes token ids with strings or lists", param="prompt")
-    raise bad_request(
-        f"prompt holds {len(prompt)} prompts; this server takes one prompt per request",
-        param="prompt",
-    )
+    return list(prompt)  # type: ignore[arg-type]
 
 
 def _message_dict(message: ChatMessage) -> dict[str, Any]:
@@ -108,7 +137,8 @@ def _message_dict(message: ChatMessage) -> dict[str, Any]:
         content = ""
     elif not isinstance(content, str):
         content = "\n".join(part.text for part in content)
-    out: dict[str, Any] = {"role": message.role, "content": content}
+    role = "system" if message.role == "developer" else message.role
+    out: dict[str, Any] = {"role": role, "content": content}
     if message.name is not None:
         out["name"] = message.name
     if message.tool_call_id is not None:

@@ -10,7 +10,7 @@ from typing import Literal
 
 import msgspec
 
-Role = Literal["system", "user", "assistant", "tool"]
+Role = Literal["system", "developer", "user", "assistant", "tool"]  # developer: as system
 
 
 class StreamOptions(msgspec.Struct):
@@ -32,6 +32,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     user: str | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     # engine extras
     top_k: int | None = None  # 0 or -1 disables
     min_p: float | None = None
@@ -40,13 +41,17 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    min_tokens: int | None = None  # EOS and stop token ids cannot end the output before this
+    allowed_token_ids: list[int] | None = None  # sample only among these
+    bad_words: list[str] | None = None  # never completed, as text with or without a space before
     # an integer in [-1000, 1000], lower runs sooner, or interactive (-10), default (0), batch (10);
     # absent: the tenant's default. Checked in frontend.tenants
     priority: int | str | None = None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
-    """POST /v1/completions. One prompt: text, token ids, or a list holding one of those."""
+    """POST /v1/completions. A prompt (text or token ids) or a batch of them (a list of
+    strings or of token-id lists); max_tokens defaults to 16 here, as OpenAI's does."""
 
     prompt: str | list[int | str | list[int]]
     logprobs: int | None = None  # 0..max_logprobs: sampled token plus this many alternatives

@@ -7,10 +7,19 @@ import msgspec
 from gapless.core.common.messages import TokenLogprob
 
 
+class CompletionTokensDetails(msgspec.Struct):
+    """What the completion tokens were; gapless has no reasoning or predicted outputs."""
+
+    reasoning_tokens: int = 0
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
+
+
 class Usage(msgspec.Struct):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 # ---------------------------------------------------------------- /v1/completions

@@ -201,6 +201,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_logprobs: Annotated[
         int, msgspec.Meta(description="most alternative logprobs per token a request may ask for")
     ] = 20
+    max_prompts: Annotated[
+        int,
+        msgspec.Meta(description="most prompts one /v1/completions request may batch", ge=1),
+    ] = 64
     max_body_bytes: Annotated[int, NOT_A_FLAG] = 4 * 2**20
     max_stop_strings: Annotated[int, NOT_A_FLAG] = 16
     chat_template_timeout_s: Annotated[float, NOT_A_FLAG] = 2.0

@@ -55,6 +55,7 @@ FLAGS = {
     "--max-logprobs": "20",
     "--metrics-require-key": "off",
     "--max-n": "8",
+    "--max-prompts": "64",
     "--drain-timeout": "30.0",
     "--api-keys-file FILE": None,
     "--tenant-weight NAME=W": "every tenant weighs 1",

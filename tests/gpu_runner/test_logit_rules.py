@@ -48,9 +48,7 @@ def test_logit_bias_leaves_logprobs_raw() -> None:
 
 
 def test_allowed_token_ids_and_single_bad_words() -> None:
-    state = state_with(
-        {0: greedy(allowed_token_ids=(9, 11)), 1: greedy(bad_words_ids=((5,),))}
-    )
+    state = state_with({0: greedy(allowed_token_ids=(9, 11)), 1: greedy(bad_words_ids=((5,),))})
     logits = peaked(5)
     logits[:, 11] = 1.0
     logits[:, 6] = 2.0
