@@ -268,6 +268,7 @@ class EngineCore:
             finish_reasons=out.end_reasons,
             num_prompt_tokens=[r.num_prompt for r in out.requests],
             logprobs=out.logprobs,
+            prompt_logprobs=out.prompt_logprobs,
         )
         if self._ended:
             batch.errors = [""] * n
@@ -277,5 +278,7 @@ class EngineCore:
                 batch.finish_reasons.append(reason)
                 batch.num_prompt_tokens.append(0)
                 batch.errors.append(error)
+                if batch.prompt_logprobs:
+                    batch.prompt_logprobs.append(None)
             self._ended.clear()
         return batch

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from gapless.core.common.messages import AddRequest, SamplingParams
+from gapless.core.common.messages import AddRequest, PromptLogprobs, SamplingParams
 
 if TYPE_CHECKING:
     from gapless.core.running import RunningBatch
@@ -80,6 +80,7 @@ class Request:
         "_batch",
         "_outputs",
         "_pending",
+        "prompt_logprobs",
     )
 
     def __init__(self, msg: AddRequest, batch: RunningBatch, seq: int) -> None:
@@ -104,6 +105,11 @@ class Request:
         self._batch = batch
         self._outputs: list[int] | None = []  # None while the batch holds them
         self._pending = 0  # samples in steps not yet applied, while off a slot
+        # params.prompt_logprobs: scored prompt tokens so far (positions 1..), until sent with the
+        # first output token (then None); a recompute's repeats are dropped
+        self.prompt_logprobs: PromptLogprobs | None = (
+            None if msg.params.prompt_logprobs is None else PromptLogprobs(-1, 1, [], [])
+        )
 
     @property
     def num_prompt(self) -> int:
@@ -138,6 +144,22 @@ class Request:
             return self.prompt_ids[start:end]
         outputs = self.output_ids
         return (self.prompt_ids[start:] if start < p else []) + outputs[max(0, start - p) : end - p]
+
+    def add_prompt_logprobs(self, piece: PromptLogprobs) -> None:
+        """Join one chunk's scores if it continues what is held and scores this prompt."""
+        held = self.prompt_logprobs
+        if held is None or piece.start != held.start + len(held.token_ids):
+            return
+        end = piece.start + len(piece.token_ids)
+        if self.prompt_ids[piece.start : end] != piece.token_ids:
+            return  # a chunk of the slot's previous request
+        held.token_ids += piece.token_ids
+        held.logprobs += piece.logprobs
+
+    def take_prompt_logprobs(self) -> PromptLogprobs | None:
+        """The prompt's scores, once, when its first output token is sent."""
+        held, self.prompt_logprobs = self.prompt_logprobs, None
+        return held
 
     # moving between a slot and the queue: called by RunningBatch only
 

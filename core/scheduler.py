@@ -14,7 +14,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gapless.core.common.messages import AddRequest, NewSlot, SampleLogprobs, StepPlan, StepResult
+from gapless.core.common.messages import (
+    AddRequest,
+    NewSlot,
+    PromptLogprobs,
+    SampleLogprobs,
+    StepPlan,
+    StepResult,
+)
 from gapless.core.kv_blocks import BlockManager, SlotManager
 from gapless.core.policy import Policy
 from gapless.core.request import Request, Status, check_stop
@@ -44,6 +51,8 @@ class StepOutput:
     token_ids: list[int] = field(default_factory=list)
     end_reasons: list[str] = field(default_factory=list)
     logprobs: list[SampleLogprobs | None] = field(default_factory=list)  # empty: none asked
+    # per request: its prompt logprobs, with its first output token; empty: none in this step
+    prompt_logprobs: list[PromptLogprobs | None] = field(default_factory=list)
 
 
 class Scheduler:
@@ -74,6 +83,7 @@ class Scheduler:
         self.num_priority_preemptions = 0
         self._num_added = 0
         self._seq = 0
+        self._scoring: set[Request] = set()  # requests holding prompt logprobs not yet sent
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -84,6 +94,8 @@ class Scheduler:
         req.tenant_id = self.policy.tenant_id(req.tenant)
         self.requests[req.request_id] = req
         self.policy.add(req)
+        if req.prompt_logprobs is not None:
+            self._scoring.add(req)
         return req
 
     def waiting_requests(self) -> Iterator[Request]:
@@ -124,6 +136,7 @@ class Scheduler:
         else:
             self.policy.remove(req)
         req.status = Status.FINISHED
+        self._scoring.discard(req)
         if req.num_pending == 0:
             del self.requests[req.request_id]
         return True
@@ -242,7 +255,12 @@ class Scheduler:
             self.running.append(req)
             self._run_slots = None
             new_slots.append(
-                NewSlot(slot=req.slot, params=req.params, num_prompt_tokens=req.num_prompt)
+                NewSlot(
+                    slot=req.slot,
+                    params=req.params,
+                    num_prompt_tokens=req.num_prompt,
+                    prompt_token_ids=req.prompt_ids if req.prompt_logprobs is not None else [],
+                )
             )
             slots.append(req.slot)
             takes.append(n)
@@ -308,6 +326,10 @@ class Scheduler:
         """Append sampled ids, check stops and length for the whole batch, finish what ended."""
         assert result.seq == step.plan.seq, f"result {result.seq} for plan {step.plan.seq}"
         rb, out = self.rb, StepOutput()
+        for piece in result.prompt_logprobs:
+            owner = rb.req[piece.slot]
+            if owner is not None:
+                owner.add_prompt_logprobs(piece)
         tokens = np.asarray(result.token_ids, np.int64)
         slots = step.sample_slots
         live = rb.epoch[slots] == step.sample_epochs  # still the same request in that slot
@@ -339,6 +361,9 @@ class Scheduler:
         out.requests, out.token_ids, out.end_reasons = requests, t.tolist(), reasons
         if result.logprobs:
             out.logprobs = [result.logprobs[j] for j in rows.tolist()]
+        if self._scoring:
+            out.prompt_logprobs = [r.take_prompt_logprobs() for r in requests]
+            self._scoring.difference_update(requests)
         for j in np.flatnonzero(ended).tolist():
             self.finish(requests[j], reasons[j])
         return out

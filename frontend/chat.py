@@ -48,7 +48,7 @@ class ChatChunks:
         self._head = (response_id, created, model)
         self._logprobs = logprobs
 
-    def opening(self, index: int) -> bytes | None:
+    def opening(self, index: int, first: TextDelta) -> bytes | None:
         return self._encode([ChatChunkChoice(index, ChatDelta(role="assistant", content=""))])
 
     def delta(self, index: int, delta: TextDelta) -> bytes:

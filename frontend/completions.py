@@ -9,7 +9,7 @@ import msgspec
 
 from gapless.core.common.messages import TextDelta
 from gapless.frontend.asgi import HttpRequest, Responder, encoder
-from gapless.frontend.errors import bad_request, from_decode_error
+from gapless.frontend.errors import from_decode_error
 from gapless.frontend.generation import ChoiceResult, Job, respond
 from gapless.frontend.openai_fields import COMPLETION_REFUSED, check_fields, struct_fields
 from gapless.frontend.params import (
@@ -24,7 +24,13 @@ from gapless.frontend.params import (
 )
 from gapless.frontend.prompts import CompletionPrompt
 from gapless.frontend.protocol import CompletionRequest
-from gapless.frontend.responses import Completion, CompletionChoice, Usage, completion_logprobs
+from gapless.frontend.responses import (
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
+    Usage,
+    completion_logprobs,
+)
 from gapless.frontend.state import FrontendState
 from gapless.frontend.tenants import Caller, priority_of, tenant_of
 
@@ -47,18 +53,24 @@ class CompletionChunks:
         n: int,
         logprobs: bool,
         echoed: list[str] | None = None,
+        first_tokens: list[str] | None = None,
     ) -> None:
         self._head = (response_id, created, model)
         self._logprobs = logprobs
         self._offsets = [0] * n  # characters sent so far, per choice
         self._echoed = echoed  # per choice: the prompt text sent first
+        self._first_tokens = first_tokens  # per choice: the prompt's first token, with logprobs
 
-    def opening(self, index: int) -> bytes | None:
+    def opening(self, index: int, first: TextDelta) -> bytes | None:
         if self._echoed is None:
             return None
         text = self._echoed[index]
+        logprobs = None
+        if self._logprobs and self._first_tokens is not None:
+            items = first.prompt_logprobs or []
+            logprobs = completion_logprobs(items, 0, self._first_tokens[index])
         self._offsets[index] = len(text)
-        return encoder.encode(self._chunk([CompletionChoice(index, text)]))
+        return encoder.encode(self._chunk([CompletionChoice(index, text, logprobs)]))
 
     def delta(self, index: int, delta: TextDelta) -> bytes:
         logprobs = None
@@ -94,24 +106,31 @@ async def handle_completions(
         body.max_tokens = DEFAULT_MAX_TOKENS
     max_tokens = check_max_tokens(body.max_tokens, "max_tokens", config)
     logprobs = check_logprobs(body.logprobs, "logprobs", config)
-    if body.echo and logprobs is not None:
-        raise bad_request(
-            "echo with logprobs (the prompt's logprobs) is not supported yet", param="echo"
-        )
     bad_words = await state.prompter.bad_words_ids(body.bad_words)
     base = sampling_params(body, 1, logprobs, config, bad_words)
+    if body.echo and logprobs is not None:
+        base = msgspec.structs.replace(base, prompt_logprobs=logprobs)
     tenant = tenant_of(caller, req.headers.get("x-tenant"), body.user)
     priority = priority_of(body.priority, tenant, config)
     response_id, created, model = f"cmpl-{uuid.uuid4().hex}", int(arrival), config.served_model_name
 
     echoed: list[str] | None = None
+    first_tokens: list[str] | None = None
+
+    def choice_logprobs(i: int, c: ChoiceResult) -> CompletionLogprobs | None:
+        if logprobs is None:
+            return None
+        if echoed is None or first_tokens is None:
+            return completion_logprobs(c.logprobs, 0)
+        items = (c.prompt_logprobs or []) + c.logprobs
+        return completion_logprobs(items, 0, first_tokens[i])
 
     def build(choices: list[ChoiceResult], usage: Usage) -> Completion:
         out_choices = [
             CompletionChoice(
                 index=i,
                 text=c.text if echoed is None else echoed[i] + c.text,
-                logprobs=completion_logprobs(c.logprobs, 0) if logprobs is not None else None,
+                logprobs=choice_logprobs(i, c),
                 finish_reason=c.finish_reason,
             )
             for i, c in enumerate(choices)
@@ -136,6 +155,8 @@ async def handle_completions(
         if body.echo:
             texts = _prompt_texts(body.prompt, prompts, state)
             echoed = [texts[i // n] for i in range(len(params))]
+            firsts = [state.prompter.decode(p[:1]) for p in prompts]
+            first_tokens = [firsts[i // n] for i in range(len(params))]
         rid = state.engine.next_request_id()
         job = Job(
             "completions",
@@ -156,7 +177,13 @@ async def handle_completions(
             streaming=bool(body.stream),
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
             fmt=CompletionChunks(
-                response_id, created, model, len(params), logprobs is not None, echoed
+                response_id,
+                created,
+                model,
+                len(params),
+                logprobs is not None,
+                echoed,
+                first_tokens,
             ),
             build=build,
         )

@@ -44,6 +44,9 @@ class Job:
 class ChoiceResult:
     parts: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] | None = (
+        None  # asked with echo: prompt tokens after the first
+    )
     finish_reason: str | None = None
     num_output_tokens: int = 0
 
@@ -55,7 +58,7 @@ class ChoiceResult:
 class ChunkFormat(Protocol):
     """Shapes one endpoint's SSE chunks as encoded JSON."""
 
-    def opening(self, index: int) -> bytes | None: ...
+    def opening(self, index: int, first: TextDelta) -> bytes | None: ...
 
     def delta(self, index: int, delta: TextDelta) -> bytes: ...
 
@@ -134,6 +137,8 @@ async def collect(state: FrontendState, job: Job) -> list[ChoiceResult]:
             choice.parts.append(delta.text)
             if delta.logprobs:
                 choice.logprobs.extend(delta.logprobs)
+            if delta.prompt_logprobs is not None:
+                choice.prompt_logprobs = delta.prompt_logprobs
             choice.num_output_tokens = delta.num_output_tokens
             choice.finish_reason = delta.finish_reason
     return choices
@@ -153,7 +158,7 @@ async def stream(
             received = engine.last_received  # read before the first await below
             if not opened[index]:
                 opened[index] = True
-                opening = fmt.opening(index)
+                opening = fmt.opening(index, delta)
                 if opening is not None:
                     await out.event(opening)
             outputs[index] = delta.num_output_tokens

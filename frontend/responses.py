@@ -27,8 +27,8 @@ class Usage(msgspec.Struct):
 
 class CompletionLogprobs(msgspec.Struct):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # None: an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]  # characters into this choice's generated text
 
 
@@ -134,18 +134,28 @@ class Health(msgspec.Struct):
 # ---------------------------------------------------------------- logprob shapes
 
 
-def completion_logprobs(items: list[TokenLogprob], text_offset: int) -> CompletionLogprobs:
-    """The legacy shape; text_offset is where the first token's text starts in the choice."""
+def completion_logprobs(
+    items: list[TokenLogprob], text_offset: int, first_prompt_token: str | None = None
+) -> CompletionLogprobs:
+    """The legacy shape; text_offset is where the first token's text starts in the choice.
+    With first_prompt_token (echo), that token opens the lists with no logprob."""
     offsets = []
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
+    if first_prompt_token is not None:
+        offsets.append(text_offset)
+        text_offset += len(first_prompt_token)
+        tokens.append(first_prompt_token)
+        token_logprobs.append(None)
+        top_logprobs.append(None)
     for item in items:
         offsets.append(text_offset)
         text_offset += len(item.token)
-    return CompletionLogprobs(
-        tokens=[item.token for item in items],
-        token_logprobs=[item.logprob for item in items],
-        top_logprobs=[{top.token: top.logprob for top in item.top} for item in items],
-        text_offset=offsets,
-    )
+        tokens.append(item.token)
+        token_logprobs.append(item.logprob)
+        top_logprobs.append({top.token: top.logprob for top in item.top})
+    return CompletionLogprobs(tokens, token_logprobs, top_logprobs, offsets)
 
 
 def chat_logprobs(items: list[TokenLogprob]) -> ChatLogprobs:

@@ -42,9 +42,7 @@ class LogitRules:
                 self._min_tokens[slot] = params.min_tokens
         words = [w[-HISTORY - 1 :] for w in params.bad_words_ids if len(w) > 1]
         if words:
-            self._words[slot] = [
-                (torch.tensor(w[:-1], device=self.device), w[-1]) for w in words
-            ]
+            self._words[slot] = [(torch.tensor(w[:-1], device=self.device), w[-1]) for w in words]
             self._history[slot] = -1
             self.has_words[slot] = True
         self.has_any[slot] = slot in self._static or slot in self._min_ids or bool(words)
@@ -71,7 +69,11 @@ class LogitRules:
         return row.to(self.device)
 
     def record(
-        self, host_slots: np.ndarray, slots: torch.Tensor, positions: torch.Tensor, ids: torch.Tensor
+        self,
+        host_slots: np.ndarray,
+        slots: torch.Tensor,
+        positions: torch.Tensor,
+        ids: torch.Tensor,
     ) -> None:
         """Remember output ids of slots with multi-token bad words: slots, positions, ids [N]."""
         if self.has_words[host_slots].any():

@@ -52,6 +52,8 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
     allowed_token_ids: tuple[int, ...] | None = None  # None: every id; else only these
     bad_words_ids: tuple[tuple[int, ...], ...] = ()  # token sequences never completed
+    # None: none; k: each prompt token after the first with its logprob and the top k
+    prompt_logprobs: int | None = None
 
 
 # ---------------------------------------------------------------- frontend/detokenizer -> core
@@ -113,6 +115,7 @@ class NewSlot(_Msg):
     slot: int
     params: SamplingParams
     num_prompt_tokens: int  # positions below this are prompt tokens (penalties treat them apart)
+    prompt_token_ids: list[int] = []  # only with params.prompt_logprobs: the tokens to score
 
 
 class StepPlan(_Msg):
@@ -162,12 +165,24 @@ class SampleLogprobs(msgspec.Struct, array_like=True, gc=False):
     top_logprobs: list[float] = []
 
 
+class PromptLogprobs(msgspec.Struct, array_like=True, gc=False):
+    """Logprobs of the prompt tokens at positions start .. start + len(token_ids) - 1, each
+    given the tokens before it (position 0 has none). From the runner, one per prompt chunk of a
+    slot that asked; the core joins a request's chunks and sends them whole, slot -1."""
+
+    slot: int
+    start: int
+    token_ids: list[int]
+    logprobs: list[SampleLogprobs]
+
+
 class StepResult(_Msg):
     seq: int
     token_ids: list[int]  # one per entry with sample=True, in entry order
     # same order as token_ids, None for rows that asked none; empty when no row asked
     logprobs: list[SampleLogprobs | None] = []
     timing: StepTiming | None = None
+    prompt_logprobs: list[PromptLogprobs] = []  # chunks of slots that asked, in entry order
 
 
 class RunnerReady(_Msg):
@@ -205,6 +220,8 @@ class TokenBatch(_Msg):
     # empty when no request in the batch asked
     logprobs: list[SampleLogprobs | None] = []
     errors: list[str] = []  # per entry, "" unless finish_reason is "error"; empty when none
+    # per entry: the request's prompt logprobs, sent with its first token; empty when none
+    prompt_logprobs: list[PromptLogprobs | None] = []
 
 
 DetokInput = DetokNew | TokenBatch | Shutdown
@@ -236,6 +253,7 @@ class TextDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     logprobs: list[TokenLogprob] | None = None
     error: str | None = None
     code: str | None = None  # with error: "queue_timeout" (the client's load), else an engine fault
+    prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens after the first; first delta
 
 
 class TextDeltas(_Msg):

@@ -114,6 +114,11 @@ class FakeEngine(EngineClient):
             delta = TextDelta(
                 req.request_id, text, [token_id], num_prompt, i + 1, finish, logprobs, error
             )
+            if i == 0 and params.prompt_logprobs is not None:  # each prompt token scores -0.25
+                delta.prompt_logprobs = [
+                    TokenLogprob(self.tokenizer.decode([t]), -0.25, t, [])
+                    for t in req.prompt_token_ids[1:]
+                ]
             self.dispatch(TextDeltas([delta]))
             if finish is not None:
                 return

@@ -127,3 +127,23 @@ async def test_completions_default_to_16_tokens(client: httpx.AsyncClient, engin
     r = await client.post("/v1/completions", json={"prompt": "hi"})
     assert r.status_code == 200
     assert engine.added[0].params.max_tokens == 16
+
+
+async def test_echo_with_logprobs_scores_the_prompt(client: httpx.AsyncClient, engine) -> None:
+    ids = engine.tokenizer.encode("one two three").ids
+    body = {"prompt": "one two three", "echo": True, "logprobs": 1, "max_tokens": 1}
+    r = await client.post("/v1/completions", json=body)
+    assert engine.added[0].params.prompt_logprobs == 1
+    lp = r.json()["choices"][0]["logprobs"]
+    n = len(ids)
+    assert lp["tokens"][:n] == [engine.tokenizer.decode([t]) for t in ids]
+    assert lp["token_logprobs"] == [None] + [-0.25] * (n - 1) + [-0.5]
+    assert lp["top_logprobs"][0] is None and len(lp["top_logprobs"]) == n + 1
+    assert lp["text_offset"][n] == len("one two three")
+    r = await client.post("/v1/completions", json={**body, "stream": True})
+    first = sse_events(r.text)[0]["choices"][0]
+    assert first["text"] == "one two three"
+    assert first["logprobs"]["token_logprobs"] == [None] + [-0.25] * (n - 1)
+    engine.added.clear()
+    await client.post("/v1/completions", json={**body, "echo": False})
+    assert engine.added[0].params.prompt_logprobs is None

@@ -58,7 +58,6 @@ COMPLETION_CASES: list[tuple[Any, int, str | None]] = [
     ({"prompt": "hi", "priority": True}, 400, "priority"),
     ({"prompt": "hi", "priority": ["batch"]}, 400, "priority"),
     ({"prompt": "hi", "user": "a\u0007b"}, 400, "user"),
-    ({"prompt": "hi", "echo": True, "logprobs": 1}, 400, "echo"),
     ({"prompt": "hi", "best_of": 2}, 400, "best_of"),
     ({"prompt": "hi", "n": 2, "best_of": 3}, 400, "best_of"),
     ({"prompt": "hi", "suffix": "end"}, 400, "suffix"),
