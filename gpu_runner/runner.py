@@ -19,7 +19,7 @@ from gapless.core.common.messages import (
     StepResult,
     StepTiming,
 )
-from gapless.core.common.model_files import ModelArch, load_arch
+from gapless.core.common.model_files import ModelArch, load_arch, load_tokenizer
 from gapless.gpu_runner.attention import AttentionMeta, TorchAttention
 from gapless.gpu_runner.batch import (
     FED_IDS,
@@ -35,6 +35,7 @@ from gapless.gpu_runner.batch import (
     PersistentBatch,
     StepInputs,
 )
+from gapless.gpu_runner.grammar import GrammarRows
 from gapless.gpu_runner.graph import DecodeGraphs, capture_sizes
 from gapless.gpu_runner.logprobs import row_logprobs
 from gapless.gpu_runner.model import LlamaModel, rope_inv_freq
@@ -113,6 +114,13 @@ class ModelRunner:
             seed=config.seed,
             eos_token_ids=tuple(config.model.eos_token_ids),
         )
+        self.grammar = GrammarRows(
+            load_tokenizer(config.model).to_str(),
+            arch.vocab_size,
+            tuple(config.model.eos_token_ids),
+            config.max_num_seqs,
+            self.device,
+        )
         self.num_logprobs = np.full(config.max_num_seqs, -1, dtype=np.int64)  # -1: not asked
         # prompt logprobs: per slot, positions below this are scored (0: not asked), top k,
         # and the prompt ids (the targets)
@@ -147,9 +155,11 @@ class ModelRunner:
             self.sampler.remove(slot)
             self.scored_until[slot] = 0
             self.prompt_ids.pop(slot, None)
+            self.grammar.remove(slot)
         for new in plan.new_slots:
             self.batch.add(new.slot)
             self.sampler.add(new.slot, new.params, new.num_prompt_tokens)
+            self.grammar.add(new.slot, new.params.grammar, new.num_prompt_tokens)
             lp = new.params.logprobs
             self.num_logprobs[new.slot] = -1 if lp is None else min(lp, self.config.max_logprobs)
             if new.params.prompt_logprobs is not None and new.prompt_token_ids:
@@ -159,8 +169,21 @@ class ModelRunner:
                     new.params.prompt_logprobs, self.config.max_logprobs
                 )
 
+    def feed_grammar(self, plan: StepPlan) -> None:
+        """Constrained slots' outputs carried by the plan (a recompute) go to their matchers."""
+        slots = np.asarray(plan.slots, np.int64)
+        if not self.grammar.any_in(slots):
+            return
+        has = np.asarray(plan.has_tokens, bool)
+        n = np.asarray(plan.num_tokens, np.int64)[has]
+        entry = np.repeat(np.arange(len(n)), n)
+        offsets = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
+        positions = np.asarray(plan.start_pos, np.int64)[has][entry] + offsets
+        self.grammar.feed(slots[has][entry], positions, plan.token_ids)
+
     def prepare(self, plan: StepPlan) -> tuple[StepInputs, AttentionMeta]:
         """Host work: the static table (not yet uploaded) and the attention plan."""
+        self.feed_grammar(plan)
         scored = self.scored_until if self.prompt_ids else None
         inp = self.batch.prepare(plan, pad=self.use_graphs, scored_until=scored)
         meta = self.attn.build(inp.layout, self.batch.column(SLOT_MAPPING, inp.num_rows))
@@ -228,9 +251,13 @@ class ModelRunner:
         slots = col(SAMPLE_SLOTS, inp.num_sample)
         positions = col(SAMPLE_POSITIONS, inp.num_sample)
         host = inp.sample_slots_host
-        out = self.sampler.sample(logits, slots, positions, host)
+        constrain = None
+        if self.grammar.any_in(host):
+            constrain = lambda x: self.grammar.apply(x, host)  # noqa: E731
+        out = self.sampler.sample(logits, slots, positions, host, constrain)
         self.batch.last_token[slots] = out.token_ids
         self.sampler.record(slots, positions, out.token_ids, host)
+        self.grammar.remember(host, out.token_ids)
         return out
 
     @torch.inference_mode()

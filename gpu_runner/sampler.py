@@ -8,6 +8,7 @@ samples the same tokens whatever batch or slot it lands in, with no per-row gene
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -266,8 +267,11 @@ class SamplerState:
         slots: torch.Tensor,
         positions: torch.Tensor,
         host_slots: np.ndarray | list[int] | None = None,
+        constrain: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> SampleOutput:
         """One token per row. logits [B, V]; slots, positions [B] int64 on device.
+        constrain (the grammar masks) limits the logits sampled from, as the logit rules do;
+        logprobs stay the model's.
 
         positions holds the position the new token will take (its sequence length so far);
         seeded rows hash (seed, position), so a recomputed request repeats its tokens.
@@ -281,6 +285,8 @@ class SamplerState:
         if host_slots is not None:
             num_prompt = self._iparams_dev[slots, _NUM_PROMPT]
             adjusted = self.rules.apply(logits, np.asarray(host_slots), positions, num_prompt)
+        if constrain is not None:
+            adjusted = constrain(adjusted)
         step = self._step.add_(1)  # [1] int64; in place so graph replays advance it
         batch = logits.shape[0]
         rows = _CPU_BLOCK_ELEMENTS // self.vocab_size if logits.device.type == "cpu" else batch

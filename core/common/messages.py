@@ -54,6 +54,9 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     bad_words_ids: tuple[tuple[int, ...], ...] = ()  # token sequences never completed
     # None: none; k: each prompt token after the first with its logprob and the top k
     prompt_logprobs: int | None = None
+    # an llguidance grammar (the frontend compiles response_format and tool schemas to it and
+    # checks it); sampling is limited to what it allows next
+    grammar: str | None = None
 
 
 # ---------------------------------------------------------------- frontend/detokenizer -> core
