@@ -100,8 +100,8 @@ def measure_xgrammar(tok_json: str, vocab: int, eos: list[int], ids: list[int]) 
 
 
 def _hf(tok_json: str):
-    from transformers import PreTrainedTokenizerFast
     from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
 
     return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(tok_json))
 

@@ -67,7 +67,9 @@ def test_constrained_rows_follow_the_schema(tiny_model_dir, overlap, limits):
 
 def test_out_of_tokens_ends_with_length(tiny_model_dir):
     h = Harness(make_config(tiny_model_dir))
-    h.run({0: [("short", PROMPTS[0], SamplingParams(max_tokens=3, temperature=0.0, grammar=GRAMMAR))]})
+    h.run(
+        {0: [("short", PROMPTS[0], SamplingParams(max_tokens=3, temperature=0.0, grammar=GRAMMAR))]}
+    )
     assert h.finish["short"] == "length"
     text = load_tokenizer(h.backend.config.model).decode(h.outputs["short"])
     assert text.startswith("{")  # the grammar held: JSON from the first token
