@@ -102,6 +102,9 @@ async def handle_chat(
     logprobs = _logprobs(body, config)
     bad_words = await state.prompter.bad_words_ids(body.bad_words)
     base = sampling_params(body, 1, logprobs, config, bad_words)
+    grammar = await state.prompter.grammars.response_format(body.response_format)
+    if grammar is not None:
+        base = msgspec.structs.replace(base, grammar=grammar)
     tenant = tenant_of(caller, req.headers.get("x-tenant"), body.user)
     priority = priority_of(body.priority, tenant, config)
     response_id, created, model = (

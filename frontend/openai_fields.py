@@ -61,11 +61,6 @@ def _suffix(value: Any, body: dict[str, Any]) -> str | None:
     return None if not value else "a suffix (fill-in-the-middle) is not supported"
 
 
-def _response_format(value: Any, body: dict[str, Any]) -> str | None:
-    kind = value.get("type") if isinstance(value, dict) else value
-    return None if value is None or kind == "text" else f"type {kind!r} is not supported"
-
-
 def _tools(value: Any, body: dict[str, Any]) -> str | None:
     return None if not value else "tool calling is not supported"
 
@@ -75,7 +70,6 @@ def _tool_choice(value: Any, body: dict[str, Any]) -> str | None:
 
 
 CHAT_REFUSED: dict[str, Rule] = {
-    "response_format": _response_format,
     "tools": _tools,
     "tool_choice": _tool_choice,
     "parallel_tool_calls": lambda value, body: None,

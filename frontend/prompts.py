@@ -17,6 +17,7 @@ from gapless.frontend import metrics
 from gapless.frontend.chat_template import ChatTemplate
 from gapless.frontend.errors import bad_request
 from gapless.frontend.protocol import ChatMessage
+from gapless.frontend.structured import Grammars
 
 CompletionPrompt = str | list[int | str | list[int]]
 
@@ -36,6 +37,7 @@ class Prompter:
         def token_text(token_id: int | None) -> str:
             return (tokenizer.id_to_token(token_id) or "") if token_id is not None else ""
 
+        self.grammars = Grammars(tokenizer, config, executor)
         self.chat_template = ChatTemplate(
             model.chat_template,
             bos_token=token_text(model.bos_token_id),

@@ -6,7 +6,7 @@ Optional fields accept JSON null, as the OpenAI API does. Values are range-check
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -69,6 +69,28 @@ class ChatMessage(msgspec.Struct, kw_only=True):
     tool_call_id: str | None = None
 
 
+class TextFormat(msgspec.Struct, tag="text", tag_field="type"):
+    pass
+
+
+class JsonObjectFormat(msgspec.Struct, tag="json_object", tag_field="type"):
+    pass
+
+
+class JsonSchemaSpec(msgspec.Struct, kw_only=True):
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = msgspec.field(default=None, name="schema")
+    strict: bool | None = None  # true: a keyword the grammar engine lacks is a 400
+
+
+class JsonSchemaFormat(msgspec.Struct, tag="json_schema", tag_field="type"):
+    json_schema: JsonSchemaSpec
+
+
+ResponseFormat = TextFormat | JsonObjectFormat | JsonSchemaFormat
+
+
 class ChatCompletionRequest(SamplingFields, kw_only=True):
     """POST /v1/chat/completions."""
 
@@ -76,3 +98,4 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     max_completion_tokens: int | None = None  # the newer name of max_tokens; wins when both
     logprobs: bool | None = None
     top_logprobs: int | None = None  # needs logprobs=true
+    response_format: ResponseFormat | None = None

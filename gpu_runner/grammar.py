@@ -17,6 +17,8 @@ import llguidance.torch as llg_torch
 import numpy as np
 import torch
 
+from gapless.core.common.grammars import make_tokenizer, parser_limits
+
 MAX_CACHED = 64  # compiled grammars kept, least recently used dropped first
 
 
@@ -33,18 +35,15 @@ class GrammarCache:
         state, never an exception)."""
         pristine = self._cache.get(grammar)
         if pristine is None:
-            pristine = llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+            pristine = llguidance.LLMatcher(
+                self.tokenizer, grammar, log_level=0, limits=parser_limits()
+            )
             self._cache[grammar] = pristine
             if len(self._cache) > self.max_entries:
                 self._cache.popitem(last=False)
         else:
             self._cache.move_to_end(grammar)
         return pristine.deep_copy()
-
-
-def make_tokenizer(tokenizer_json: str, vocab_size: int, eos: tuple[int, ...]):
-    """llguidance's view of the model's tokenizer (~0.2 s for a 49k vocabulary: built once)."""
-    return llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(eos))
 
 
 class GrammarRows:
