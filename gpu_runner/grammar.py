@@ -62,8 +62,8 @@ class GrammarRows:
         self.vocab_size = vocab_size
         self.device = device
         self._eos = list(eos)
-        self._tokenizer_json = tokenizer_json
-        self._cache: GrammarCache | None = None  # built at the first constrained request
+        # why at start: building it (~0.2 s) inside a step would stall every row of that step
+        self.cache = GrammarCache(make_tokenizer(tokenizer_json, vocab_size, tuple(eos)))
         self._matchers: dict[int, llguidance.LLMatcher] = {}
         self._num_prompt = np.zeros(max_slots, np.int64)
         self._fed_until = np.zeros(max_slots, np.int64)  # positions below this are consumed
@@ -73,13 +73,6 @@ class GrammarRows:
         if device.type == "cuda":
             self._host_mask = self._host_mask.pin_memory()
         self._bit = torch.arange(32, dtype=torch.int32, device=device)
-
-    @property
-    def cache(self) -> GrammarCache:
-        if self._cache is None:
-            tok = make_tokenizer(self._tokenizer_json, self.vocab_size, tuple(self._eos))
-            self._cache = GrammarCache(tok)
-        return self._cache
 
     def add(self, slot: int, grammar: str | None, num_prompt: int) -> None:
         self.remove(slot)
