@@ -60,7 +60,9 @@ class ChunkFormat(Protocol):
 
     def opening(self, index: int, first: TextDelta) -> bytes | None: ...
 
-    def delta(self, index: int, delta: TextDelta) -> bytes: ...
+    def delta(self, index: int, delta: TextDelta) -> bytes | None:
+        """The chunk for this delta; None when there is nothing to send yet."""
+        ...
 
     def usage(self, usage: Usage) -> bytes: ...
 
@@ -162,7 +164,9 @@ async def stream(
                 if opening is not None:
                     await out.event(opening)
             outputs[index] = delta.num_output_tokens
-            await out.event(fmt.delta(index, delta))
+            chunk = fmt.delta(index, delta)
+            if chunk is not None:
+                await out.event(chunk)
             observer.streamed(time.perf_counter() - received)
     if include_usage:
         await out.event(fmt.usage(usage_of(job, outputs)))

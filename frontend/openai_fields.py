@@ -61,18 +61,7 @@ def _suffix(value: Any, body: dict[str, Any]) -> str | None:
     return None if not value else "a suffix (fill-in-the-middle) is not supported"
 
 
-def _tools(value: Any, body: dict[str, Any]) -> str | None:
-    return None if not value else "tool calling is not supported"
-
-
-def _tool_choice(value: Any, body: dict[str, Any]) -> str | None:
-    return None if value in (None, "none", "auto") else "tool calling is not supported"
-
-
 CHAT_REFUSED: dict[str, Rule] = {
-    "tools": _tools,
-    "tool_choice": _tool_choice,
-    "parallel_tool_calls": lambda value, body: None,
     "audio": _set("audio output is not supported"),
     "modalities": _modalities,
     "prediction": _set("predicted outputs are not supported"),

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 from concurrent.futures import Executor
+from pathlib import Path
 from typing import Any
 
 import tokenizers
@@ -16,7 +17,6 @@ from gapless.core.common.config import EngineConfig
 from gapless.frontend import metrics
 from gapless.frontend.chat_template import ChatTemplate
 from gapless.frontend.errors import bad_request
-from gapless.frontend.protocol import ChatMessage
 from gapless.frontend.structured import Grammars
 
 CompletionPrompt = str | list[int | str | list[int]]
@@ -38,8 +38,11 @@ class Prompter:
             return (tokenizer.id_to_token(token_id) or "") if token_id is not None else ""
 
         self.grammars = Grammars(tokenizer, config, executor)
+        source = model.chat_template
+        if config.chat_template is not None:
+            source = Path(config.chat_template).read_text(encoding="utf-8")
         self.chat_template = ChatTemplate(
-            model.chat_template,
+            source,
             bos_token=token_text(model.bos_token_id),
             eos_token=token_text(model.eos_token_ids[0] if model.eos_token_ids else None),
             timeout_s=config.chat_template_timeout_s,
@@ -101,12 +104,13 @@ class Prompter:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
-    async def chat_ids(self, messages: list[ChatMessage]) -> list[int]:
-        """Token ids of the rendered conversation; the template already holds special tokens."""
+    async def chat_ids(self, messages: list[dict[str, Any]], **render: Any) -> list[int]:
+        """Token ids of the rendered conversation (message dicts, `frontend.tools`); render
+        holds the template's other arguments. The template already holds special tokens."""
         if not messages:
             raise bad_request("messages must not be empty", param="messages")
         t0 = time.perf_counter()
-        text = await self.chat_template.render([_message_dict(m) for m in messages])
+        text = await self.chat_template.render(messages, **render)
         ids = await self._encode(text, None)
         metrics.observer.tokenized(time.perf_counter() - t0)
         return ids
@@ -131,18 +135,3 @@ def _prompts(prompt: CompletionPrompt) -> list[str | list[int]]:
     if any(isinstance(x, int) for x in prompt):
         raise bad_request("prompt mixes token ids with strings or lists", param="prompt")
     return list(prompt)  # type: ignore[arg-type]
-
-
-def _message_dict(message: ChatMessage) -> dict[str, Any]:
-    content = message.content
-    if content is None:
-        content = ""
-    elif not isinstance(content, str):
-        content = "\n".join(part.text for part in content)
-    role = "system" if message.role == "developer" else message.role
-    out: dict[str, Any] = {"role": role, "content": content}
-    if message.name is not None:
-        out["name"] = message.name
-    if message.tool_call_id is not None:
-        out["tool_call_id"] = message.tool_call_id
-    return out

@@ -62,11 +62,49 @@ class TextPart(msgspec.Struct, tag="text", tag_field="type"):
     text: str
 
 
+class CalledFunction(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str  # JSON text, as the API carries it
+
+
+class ToolCall(msgspec.Struct, kw_only=True):
+    """A call an assistant message made, sent back in the history."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(msgspec.Struct, kw_only=True):
     role: Role
     content: str | list[TextPart] | None = None
     name: str | None = None
-    tool_call_id: str | None = None
+    tool_call_id: str | None = None  # role tool: the call this answers
+    tool_calls: list[ToolCall] | None = None  # role assistant
+
+
+class FunctionDef(msgspec.Struct, kw_only=True):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class Tool(msgspec.Struct, kw_only=True):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(msgspec.Struct, kw_only=True):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, kw_only=True):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
 class TextFormat(msgspec.Struct, tag="text", tag_field="type"):
@@ -99,3 +137,11 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     logprobs: bool | None = None
     top_logprobs: int | None = None  # needs logprobs=true
     response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None  # default: auto with tools, none without
+    parallel_tool_calls: bool | None = None  # default true: several calls in one answer
+    # engine extras, as Hugging Face's apply_chat_template takes them
+    documents: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False

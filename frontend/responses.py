@@ -68,9 +68,33 @@ class ChatLogprobs(msgspec.Struct):
     content: list[ChatTokenLogprob]
 
 
-class AssistantMessage(msgspec.Struct):
-    content: str
-    role: str = "assistant"
+class CallOut(msgspec.Struct):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallOut(msgspec.Struct):
+    id: str
+    function: CallOut
+    type: str = "function"
+
+
+class AssistantMessage(msgspec.Struct, omit_defaults=True):
+    content: str | None  # None when the answer is only tool calls
+    role: str  # "assistant"
+    tool_calls: list[ToolCallOut] | None = None  # left out when there are none
+
+
+class CallDelta(msgspec.Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(msgspec.Struct, omit_defaults=True):
+    index: int  # the call's place in the choice's list of calls
+    id: str | None = None
+    type: str | None = None
+    function: CallDelta | None = None
 
 
 class ChatChoice(msgspec.Struct):
@@ -92,6 +116,7 @@ class ChatCompletion(msgspec.Struct, kw_only=True):
 class ChatDelta(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct):

@@ -11,6 +11,7 @@ import msgspec
 Device = Literal["cpu", "sim", "cuda"]
 DType = Literal["bfloat16", "float32", "float16"]
 SchedulingPolicy = Literal["fair", "priority", "fcfs"]
+ToolCallParser = Literal["hermes"]
 NOT_A_FLAG = msgspec.Meta(extra={"flag": False})  # a field `gapless serve` has no flag for
 
 # a request's priority: lower runs sooner (vLLM's convention); names are aliases
@@ -205,6 +206,20 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         int,
         msgspec.Meta(description="most prompts one /v1/completions request may batch", ge=1),
     ] = 64
+    tool_call_parser: Annotated[
+        ToolCallParser,
+        msgspec.Meta(
+            description="how tool calls are read from generated text (tool_choice auto); "
+            "hermes = <tool_call>{...}</tool_call>"
+        ),
+    ] = "hermes"
+    chat_template: Annotated[
+        str | None,
+        msgspec.Meta(
+            description="a jinja chat template file used instead of the model's",
+            extra={"metavar": "FILE"},
+        ),
+    ] = None
     max_body_bytes: Annotated[int, NOT_A_FLAG] = 4 * 2**20
     max_stop_strings: Annotated[int, NOT_A_FLAG] = 16
     chat_template_timeout_s: Annotated[float, NOT_A_FLAG] = 2.0

@@ -56,6 +56,8 @@ FLAGS = {
     "--metrics-require-key": "off",
     "--max-n": "8",
     "--max-prompts": "64",
+    "--tool-call-parser {hermes}": "hermes",
+    "--chat-template FILE": None,
     "--drain-timeout": "30.0",
     "--api-keys-file FILE": None,
     "--tenant-weight NAME=W": "every tenant weighs 1",
