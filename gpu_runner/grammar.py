@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from gapless.core.common.grammars import make_tokenizer, parser_limits
+from gapless.core.common.messages import StepPlan
 
 MAX_CACHED = 64  # compiled grammars kept, least recently used dropped first
 
@@ -91,6 +92,18 @@ class GrammarRows:
 
     def any_in(self, host_slots: np.ndarray) -> bool:
         return bool(self._matchers) and bool(self.constrained[host_slots].any())
+
+    def feed_plan(self, plan: StepPlan) -> None:
+        """Constrained slots' outputs carried by a plan (a recompute) go to their matchers."""
+        slots = np.asarray(plan.slots, np.int64)
+        if not self.any_in(slots):
+            return
+        has = np.asarray(plan.has_tokens, bool)
+        n = np.asarray(plan.num_tokens, np.int64)[has]
+        entry = np.repeat(np.arange(len(n)), n)
+        offsets = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
+        positions = np.asarray(plan.start_pos, np.int64)[has][entry] + offsets
+        self.feed(slots[has][entry], positions, plan.token_ids)
 
     def feed(self, host_slots: np.ndarray, positions: np.ndarray, ids: list[int]) -> None:
         """Outputs a plan feeds again (a recompute): consumed in order, once."""

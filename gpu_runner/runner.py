@@ -169,21 +169,9 @@ class ModelRunner:
                     new.params.prompt_logprobs, self.config.max_logprobs
                 )
 
-    def feed_grammar(self, plan: StepPlan) -> None:
-        """Constrained slots' outputs carried by the plan (a recompute) go to their matchers."""
-        slots = np.asarray(plan.slots, np.int64)
-        if not self.grammar.any_in(slots):
-            return
-        has = np.asarray(plan.has_tokens, bool)
-        n = np.asarray(plan.num_tokens, np.int64)[has]
-        entry = np.repeat(np.arange(len(n)), n)
-        offsets = np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
-        positions = np.asarray(plan.start_pos, np.int64)[has][entry] + offsets
-        self.grammar.feed(slots[has][entry], positions, plan.token_ids)
-
     def prepare(self, plan: StepPlan) -> tuple[StepInputs, AttentionMeta]:
         """Host work: the static table (not yet uploaded) and the attention plan."""
-        self.feed_grammar(plan)
+        self.grammar.feed_plan(plan)
         scored = self.scored_until if self.prompt_ids else None
         inp = self.batch.prepare(plan, pad=self.use_graphs, scored_until=scored)
         meta = self.attn.build(inp.layout, self.batch.column(SLOT_MAPPING, inp.num_rows))

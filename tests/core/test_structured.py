@@ -8,6 +8,7 @@ import json
 import llguidance
 import pytest
 
+from gapless.core.common.grammars import make_tokenizer
 from gapless.core.common.messages import SamplingParams
 from gapless.core.common.model_files import load_tokenizer
 from tests.engine_harness import Harness, make_config
@@ -73,3 +74,18 @@ def test_out_of_tokens_ends_with_length(tiny_model_dir):
     assert h.finish["short"] == "length"
     text = load_tokenizer(h.backend.config.model).decode(h.outputs["short"])
     assert text.startswith("{")  # the grammar held: JSON from the first token
+
+
+def test_sim_constrained_rows_stay_in_the_grammar(default_gguf):
+    from tests.conftest import sim_config
+
+    config = sim_config(default_gguf)
+    h = Harness(config)
+    params = SamplingParams(max_tokens=24, temperature=1.0, grammar=GRAMMAR)
+    h.run({0: [("json", [5, 6, 7], params), ("free", [5, 6, 7], SamplingParams(24))]})
+    ids = h.outputs["json"]
+    tok = load_tokenizer(config.model)
+    view = make_tokenizer(tok.to_str(), config.model.vocab_size, config.model.eos_token_ids)
+    matcher = llguidance.LLMatcher(view, GRAMMAR)
+    assert all(matcher.consume_token(t) for t in ids), tok.decode(ids)
+    assert tok.decode(ids).startswith("{")
