@@ -143,9 +143,11 @@ class GrammarRows:
                 matcher.consume_token(token)
                 self._fed_until[slot] += 1
 
-    def apply(self, logits: torch.Tensor, host_slots: np.ndarray) -> torch.Tensor:
+    def apply(
+        self, logits: torch.Tensor, host_slots: np.ndarray, inplace: bool = False
+    ) -> torch.Tensor:
         """logits [B, V] float32 with each constrained row limited to what its grammar allows
-        next (a copy if any row is constrained). A matcher in an error state allows only EOS,
+        next (changed in place when `inplace`, else a copy if any row is constrained). A matcher in an error state allows only EOS,
         so the request ends instead of sampling garbage."""
         rows = np.flatnonzero(self.constrained[host_slots])
         if not len(rows):
@@ -162,7 +164,7 @@ class GrammarRows:
                 llg_torch.fill_next_token_bitmask(matcher, masks, i)
         words = masks.to(logits.device, non_blocking=True)  # [R, W] int32
         allowed = ((words[:, :, None] >> self._bit) & 1).flatten(1)[:, : logits.shape[1]]  # [R, V]
-        x = logits.clone()
+        x = logits if inplace else logits.clone()
         index = torch.from_numpy(rows).to(logits.device)
         x[index] = x[index].masked_fill(allowed == 0, -torch.inf)
         return x

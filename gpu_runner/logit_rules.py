@@ -85,15 +85,17 @@ class LogitRules:
         host_slots: np.ndarray,
         positions: torch.Tensor,
         num_prompt: torch.Tensor,
+        inplace: bool = False,
     ) -> torch.Tensor:
-        """logits [B, V] float32 with every row's rules applied (a copy if any row has one).
+        """logits [B, V] float32 with every row's rules applied (in place when `inplace`, else
+        a copy if any row has one).
 
         positions [B]: the position each row's new token takes; num_prompt [B] its prompt length.
         """
         rows = np.flatnonzero(self.has_any[host_slots])
         if not len(rows):
             return logits
-        x = logits.clone()
+        x = logits if inplace else logits.clone()
         for j, slot in zip(rows.tolist(), host_slots[rows].tolist(), strict=True):
             static = self._static.get(slot)
             if static is not None:

@@ -241,7 +241,7 @@ class ModelRunner:
         host = inp.sample_slots_host
         constrain = None
         if self.grammar.any_in(host):
-            constrain = lambda x: self.grammar.apply(x, host)  # noqa: E731
+            constrain = lambda x, inplace: self.grammar.apply(x, host, inplace)  # noqa: E731
         out = self.sampler.sample(logits, slots, positions, host, constrain)
         self.batch.last_token[slots] = out.token_ids
         self.sampler.record(slots, positions, out.token_ids, host)

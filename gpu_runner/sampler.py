@@ -267,11 +267,12 @@ class SamplerState:
         slots: torch.Tensor,
         positions: torch.Tensor,
         host_slots: np.ndarray | list[int] | None = None,
-        constrain: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        constrain: Callable[[torch.Tensor, bool], torch.Tensor] | None = None,
     ) -> SampleOutput:
         """One token per row. logits [B, V]; slots, positions [B] int64 on device.
-        constrain (the grammar masks) limits the logits sampled from, as the logit rules do;
-        logprobs stay the model's.
+        constrain(x, inplace) (the grammar masks) limits the logits sampled from, as the logit
+        rules do; logprobs stay the model's (so the raw logits are changed in place only when
+        no row asks for logprobs: a [B, V] copy per step is what the other rows would pay).
 
         positions holds the position the new token will take (its sequence length so far);
         seeded rows hash (seed, position), so a recomputed request repeats its tokens.
@@ -282,11 +283,13 @@ class SamplerState:
         flags = self.flags(host_slots)
         logits = logits.float()
         adjusted = logits
+        inplace = flags.max_logprobs < 0
         if host_slots is not None:
             num_prompt = self._iparams_dev[slots, _NUM_PROMPT]
-            adjusted = self.rules.apply(logits, np.asarray(host_slots), positions, num_prompt)
+            host = np.asarray(host_slots)
+            adjusted = self.rules.apply(logits, host, positions, num_prompt, inplace)
         if constrain is not None:
-            adjusted = constrain(adjusted)
+            adjusted = constrain(adjusted, inplace or adjusted is not logits)
         step = self._step.add_(1)  # [1] int64; in place so graph replays advance it
         batch = logits.shape[0]
         rows = _CPU_BLOCK_ELEMENTS // self.vocab_size if logits.device.type == "cpu" else batch

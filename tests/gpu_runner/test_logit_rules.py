@@ -23,7 +23,8 @@ def greedy(**kw: object) -> SamplingParams:
 
 
 def draw(state: SamplerState, logits: torch.Tensor, slots: list[int], pos: list[int]) -> list[int]:
-    out = state.sample(logits, torch.tensor(slots), torch.tensor(pos), host_slots=slots)
+    # a clone: with no logprobs asked, sample() may change the logits it is given
+    out = state.sample(logits.clone(), torch.tensor(slots), torch.tensor(pos), host_slots=slots)
     return out.token_ids.tolist()
 
 
