@@ -78,6 +78,47 @@ def decode_rate(tokens: int, first: float, last: float) -> float:
     return (tokens - 1) / (last - first)
 
 
+def sample_stage_ms(config: EngineConfig, batch: int, steps: int) -> tuple[float, float]:
+    """Median ms of the runner's sampling stage for `batch` greedy rows, all free vs one of them
+    constrained (mask fill and apply included), interleaved step by step so load on the machine
+    hits both alike. The forward is the same in both cases, so this is all a constrained row
+    adds to a step."""
+    import numpy as np
+    import torch
+
+    from gapless.gpu_runner.grammar import GrammarRows
+    from gapless.gpu_runner.sampler import SamplerState
+
+    info = config.model
+    vocab = info.vocab_size
+    sampler = SamplerState(batch, vocab, "cpu")
+    free = SamplingParams(max_tokens=steps + 1, temperature=0.0)
+    for slot in range(batch):
+        sampler.add(slot, free, 4)
+    grammar = GrammarRows(
+        load_tokenizer(info).to_str(), vocab, tuple(info.eos_token_ids), batch, torch.device("cpu")
+    )
+    grammar.add(batch - 1, json_grammar(LONG_ANSWER, strict=True), 4)
+    host = np.arange(batch)
+    slots = torch.arange(batch)
+    gen = torch.Generator().manual_seed(0)
+    times: dict[bool, list[float]] = {False: [], True: []}
+    for step in range(steps):
+        positions = torch.full((batch,), 4 + step)
+        logits = torch.randn(batch, vocab, generator=gen)
+        for constrained in (False, True):
+            x = logits.clone()
+            t0 = time.perf_counter()
+            if constrained:
+                constrain = lambda y, inplace: grammar.apply(y, host, inplace)  # noqa: E731
+                out = sampler.sample(x, slots, positions, host, constrain)
+                grammar.remember(host, out.token_ids)
+            else:
+                sampler.sample(x, slots, positions, host)
+            times[constrained].append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times[False]), statistics.median(times[True])
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cpu")
@@ -86,6 +127,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--threads", type=int, default=default_threads())
+    ap.add_argument(
+        "--stage", action="store_true", help="time only the sampling stage (free vs constrained)"
+    )
     args = ap.parse_args(argv)
     info = resolve_model(str(default_model_path()))
     config = EngineConfig(
@@ -97,6 +141,14 @@ def main(argv: list[str] | None = None) -> None:
         max_num_seqs=args.batch,
         max_num_batched_tokens=2048,
     )
+    if args.stage:
+        for run in range(args.runs):
+            a, b = sample_stage_ms(config, args.batch, args.tokens)
+            print(
+                f"run {run + 1}: sampling stage of {args.batch} rows {a:.2f} ms free, "
+                f"{b:.2f} ms with one constrained (+{b - a:.2f} ms)"
+            )
+        return
     backend = make_backend(config)
     prompt = load_tokenizer(info).encode(PROMPT, add_special_tokens=False).ids
     free = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)

@@ -121,11 +121,15 @@ class GrammarRows:
         if not len(rows):
             return
         index = torch.from_numpy(rows).to(token_ids.device)
-        ids = token_ids[index].to("cpu", non_blocking=True)
         done = None
         if token_ids.device.type == "cuda":
+            # why pinned: a copy into pageable memory would wait for the step here, at launch
+            ids = torch.empty(len(rows), dtype=token_ids.dtype, pin_memory=True)
+            ids.copy_(token_ids[index], non_blocking=True)
             done = torch.cuda.Event()
             done.record()
+        else:
+            ids = token_ids[index]
         self._catch_up()
         self._pending = (host_slots[rows], ids, np.asarray([done]))
 
