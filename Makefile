@@ -6,12 +6,13 @@ PYTEST_ARGS ?=
 
 .PHONY: setup model serve test bench lint clean
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch first, pinned: the CPU build; an unpinned torch would pull a multi-GB CUDA build
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[test,bench]'
+	# the rest within the tested versions (constraints.txt)
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[test,bench]'
 	touch $@
 
 setup: $(VENV)/.installed

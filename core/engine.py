@@ -283,6 +283,7 @@ class EngineCore:
             finish_reasons=out.end_reasons,
             num_prompt_tokens=[r.num_prompt for r in out.requests],
             logprobs=out.logprobs,
+            prompt_logprobs=out.prompt_logprobs,
         )
         if any(out.end_reasons):  # why only then: the count is read from the last delta
             batch.num_cached_tokens = [r.num_cached_prompt for r in out.requests]
@@ -296,5 +297,7 @@ class EngineCore:
                 batch.errors.append(error)
                 if batch.num_cached_tokens:
                     batch.num_cached_tokens.append(0)
+                if batch.prompt_logprobs:
+                    batch.prompt_logprobs.append(None)
             self._ended.clear()
         return batch

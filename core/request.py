@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from gapless.core.common.messages import AddRequest, SamplingParams
+from gapless.core.common.messages import AddRequest, PromptLogprobs, SamplingParams
 
 if TYPE_CHECKING:
     from gapless.core.running import RunningBatch
@@ -32,17 +32,22 @@ def check_stop(
     has_stop_ids: np.ndarray,
     requests: list[Request],
     eos: np.ndarray,
+    min_len: np.ndarray | None = None,
 ) -> tuple[list[str], np.ndarray]:
     """Why each row's request ends after sampling tokens[j] ("" if it goes on), and [R] bool
     whether it ends.
 
     All arrays are [R], one row per request: tokens its new id; num_tokens its length with that
-    id; limit its Request.limit; requests are read only for rows with stop token ids. A stop
+    id; limit its Request.limit; requests are read only for rows with stop token ids; min_len
+    the prompt length plus min_tokens (a stop token at or below it does not end the request;
+    the sampler masks them there, this guards the devices that do not sample). A stop
     token wins over length: it ends the request either way and its text is withheld.
     """
     stop = (tokens[:, None] == eos).any(1) & ~ignore_eos
     for j in np.flatnonzero(has_stop_ids).tolist():  # only rows that gave stop_token_ids
         stop[j] |= int(tokens[j]) in requests[j].params.stop_token_ids
+    if min_len is not None:
+        stop &= num_tokens > min_len
     length = num_tokens >= limit
     reasons = np.where(stop, "stop_token", np.where(length, "length", "")).tolist()
     return reasons, stop | length
@@ -79,6 +84,7 @@ class Request:
         "_batch",
         "_outputs",
         "_pending",
+        "prompt_logprobs",
     )
 
     def __init__(self, msg: AddRequest, batch: RunningBatch, seq: int) -> None:
@@ -107,6 +113,11 @@ class Request:
         self._batch = batch
         self._outputs: list[int] | None = []  # None while the batch holds them
         self._pending = 0  # samples in steps not yet applied, while off a slot
+        # params.prompt_logprobs: scored prompt tokens so far (positions 1..), until sent with the
+        # first output token (then None); a recompute's repeats are dropped
+        self.prompt_logprobs: PromptLogprobs | None = (
+            None if msg.params.prompt_logprobs is None else PromptLogprobs(-1, 1, [], [])
+        )
 
     @property
     def num_prompt(self) -> int:
@@ -141,6 +152,22 @@ class Request:
             return self.prompt_ids[start:end]
         outputs = self.output_ids
         return (self.prompt_ids[start:] if start < p else []) + outputs[max(0, start - p) : end - p]
+
+    def add_prompt_logprobs(self, piece: PromptLogprobs) -> None:
+        """Join one chunk's scores if it continues what is held and scores this prompt."""
+        held = self.prompt_logprobs
+        if held is None or piece.start != held.start + len(held.token_ids):
+            return
+        end = piece.start + len(piece.token_ids)
+        if self.prompt_ids[piece.start : end] != piece.token_ids:
+            return  # a chunk of the slot's previous request
+        held.token_ids += piece.token_ids
+        held.logprobs += piece.logprobs
+
+    def take_prompt_logprobs(self) -> PromptLogprobs | None:
+        """The prompt's scores, once, when its first output token is sent."""
+        held, self.prompt_logprobs = self.prompt_logprobs, None
+        return held
 
     # moving between a slot and the queue: called by RunningBatch only
 

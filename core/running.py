@@ -27,6 +27,7 @@ class RunningBatch:
         self.num_sent = np.zeros(s, np.int64)  # blocks the runner already knows
         self.ignore_eos = np.zeros(s, bool)
         self.has_stop_ids = np.zeros(s, bool)
+        self.min_len = np.zeros(s, np.int64)  # prompt + min_tokens: no stop token ends it before
         self.tenant_id = np.zeros(s, np.int64)  # the scheduling policy's tenant index
         self.priority = np.zeros(s, np.int64)
         self.out = np.zeros((s, max_model_len), np.int64)  # [slot, output index] ids
@@ -57,6 +58,7 @@ class RunningBatch:
         self.num_sent[slot] = 0
         self.ignore_eos[slot] = req.params.ignore_eos
         self.has_stop_ids[slot] = bool(req.params.stop_token_ids)
+        self.min_len[slot] = req.num_prompt + req.params.min_tokens
         self.tenant_id[slot] = req.tenant_id
         self.priority[slot] = req.priority
 

@@ -23,6 +23,7 @@ import numpy as np
 from gapless.core.common.messages import (
     AddRequest,
     NewSlot,
+    PromptLogprobs,
     SampleLogprobs,
     SamplingParams,
     StepPlan,
@@ -62,6 +63,8 @@ class StepOutput:
     token_ids: list[int] = field(default_factory=list)
     end_reasons: list[str] = field(default_factory=list)
     logprobs: list[SampleLogprobs | None] = field(default_factory=list)  # empty: none asked
+    # per request: its prompt logprobs, with its first output token; empty: none in this step
+    prompt_logprobs: list[PromptLogprobs | None] = field(default_factory=list)
 
 
 class Scheduler:
@@ -101,6 +104,7 @@ class Scheduler:
         self._num_added = 0
         self._seq = 0
         self._num_cached_admitted = 0  # by the last _admit
+        self._scoring: set[Request] = set()  # requests holding prompt logprobs not yet sent
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -114,6 +118,8 @@ class Scheduler:
             req.block_hashes = msg.block_hashes
         self.requests[req.request_id] = req
         self.policy.add(req)
+        if req.prompt_logprobs is not None:
+            self._scoring.add(req)
         return req
 
     def waiting_requests(self) -> Iterator[Request]:
@@ -154,6 +160,7 @@ class Scheduler:
         else:
             self.policy.remove(req)
         req.status = Status.FINISHED
+        self._scoring.discard(req)
         if req.num_pending == 0:
             del self.requests[req.request_id]
         return True
@@ -265,7 +272,10 @@ class Scheduler:
             if req is None:
                 break
             total = req.num_tokens
-            hit = self._lookup(req) if self.prefix_caching else []
+            # a request whose prompt logprobs are still to come computes its whole prompt:
+            # tokens taken from the cache are never scored
+            scoring = req.prompt_logprobs is not None
+            hit = self._lookup(req) if self.prefix_caching and not scoring else []
             cached = len(hit) * self.blocks.block_size
             n = min(total - cached, budget)
             nb = self.blocks.blocks_for(cached + n) - len(hit)
@@ -290,7 +300,12 @@ class Scheduler:
             num_cached += cached
             self.running.append(req)
             self._run_slots = None
-            new = NewSlot(slot=req.slot, params=req.params, num_prompt_tokens=req.num_prompt)
+            new = NewSlot(
+                slot=req.slot,
+                params=req.params,
+                num_prompt_tokens=req.num_prompt,
+                prompt_token_ids=req.prompt_ids if req.prompt_logprobs is not None else [],
+            )
             if cached and _has_penalty(req.params):
                 new.cached_ids = req.known_tokens(0, cached)
             new_slots.append(new)
@@ -394,6 +409,10 @@ class Scheduler:
         """Append sampled ids, check stops and length for the whole batch, finish what ended."""
         assert result.seq == step.plan.seq, f"result {result.seq} for plan {step.plan.seq}"
         rb, out = self.rb, StepOutput()
+        for piece in result.prompt_logprobs:
+            owner = rb.req[piece.slot]
+            if owner is not None:
+                owner.add_prompt_logprobs(piece)
         tokens = np.asarray(result.token_ids, np.int64)
         slots = step.sample_slots
         live = rb.epoch[slots] == step.sample_epochs  # still the same request in that slot
@@ -411,6 +430,7 @@ class Scheduler:
             has_stop_ids,
             requests if has_stop_ids.any() else [],
             self._eos,
+            rb.min_len[s],
         )
         if len(rows) < len(slots):  # preempted or finished since planning: a few rows
             moved = self._apply_moved(step, np.flatnonzero(~live), tokens)
@@ -424,6 +444,9 @@ class Scheduler:
         out.requests, out.token_ids, out.end_reasons = requests, t.tolist(), reasons
         if result.logprobs:
             out.logprobs = [result.logprobs[j] for j in rows.tolist()]
+        if self._scoring:
+            out.prompt_logprobs = [r.take_prompt_logprobs() for r in requests]
+            self._scoring.difference_update(requests)
         for j in np.flatnonzero(ended).tolist():
             self.finish(requests[j], reasons[j])
         return out
@@ -460,4 +483,5 @@ class Scheduler:
             np.asarray([bool(p.stop_token_ids) for p in params], bool),
             requests,
             self._eos,
+            np.asarray([r.num_prompt + r.params.min_tokens for r in requests], np.int64),
         )

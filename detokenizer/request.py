@@ -27,6 +27,8 @@ class RequestDetokenizer:
         "_stop",
         "_undecoded",
         "_unsent",
+        "num_prompt_top",
+        "prompt_logprobs",
     )
 
     def __init__(self, tokenizer: Tokenizer, new: DetokNew) -> None:
@@ -34,6 +36,8 @@ class RequestDetokenizer:
         self.request_id = new.request_id
         self.frontend_id = new.frontend_id
         self.num_top = params.logprobs  # None: no logprobs; k: sampled token plus top k
+        self.num_prompt_top = params.prompt_logprobs
+        self.prompt_logprobs: list[TokenLogprob] | None = None  # sent with the next delta
         self.num_output_tokens = 0  # tokens counted in usage, cumulative
         self.is_done = False
         self.stop_hit = False  # a stop string ended the request; the core must be told
@@ -83,6 +87,7 @@ class RequestDetokenizer:
         if self._unsent:
             ids, self._unsent = self._unsent + ids, []
         self.is_done = reason is not None
+        prompt_logprobs, self.prompt_logprobs = self.prompt_logprobs, None
         return TextDelta(
             self.request_id,
             text,
@@ -93,6 +98,7 @@ class RequestDetokenizer:
             logprobs,
             (error or "engine error") if reason == "error" else None,
             code,
+            prompt_logprobs=prompt_logprobs,
         )
 
     def fail(self, message: str, num_prompt_tokens: int) -> TextDelta:

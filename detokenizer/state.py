@@ -63,6 +63,11 @@ class DetokenizerState:
                 continue
             end = ends[i]
             try:
+                scored = batch.prompt_logprobs[i] if batch.prompt_logprobs else None
+                if scored is not None and req.num_prompt_top is not None:
+                    req.prompt_logprobs = self._logprobs.build(
+                        scored.token_ids, list(scored.logprobs), req.num_prompt_top
+                    )
                 token_lps = None
                 if req.num_top is not None and lps is not None:
                     token_lps = self._logprobs.build(ids, lps, req.num_top)

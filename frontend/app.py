@@ -7,7 +7,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
-from urllib.parse import parse_qs
+from urllib.parse import parse_qs, unquote
 
 import msgspec
 from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4
@@ -24,6 +24,7 @@ from gapless.frontend.openapi import openapi_document
 from gapless.frontend.responses import Health, ModelCard, ModelList
 from gapless.frontend.state import FrontendState
 from gapless.frontend.tenants import ANONYMOUS, ApiKeys, Caller
+from gapless.frontend.utility_routes import handle_detokenize, handle_tokenize, version
 
 log = logging.getLogger("gapless.frontend")
 access_log = logging.getLogger("gapless.access")
@@ -33,6 +34,7 @@ Handler = Callable[[HttpRequest, Responder, Caller], Awaitable[None]]
 # answered without an API key: probes and scrapers, which operators keep on a private network;
 # --metrics-require-key takes /metrics out (it shows tenant names)
 OPEN_PATHS = frozenset({"/health", "/metrics"})
+MODEL_PREFIX = "/v1/models/"
 
 
 class App:
@@ -44,7 +46,7 @@ class App:
         self._open = frozenset({"/health"}) if state.config.metrics_require_key else OPEN_PATHS
         self._created = int(time.time())
         self._openapi = msgspec.Raw(
-            encoder.encode(openapi_document("gapless", "0.2.0", state.config))
+            encoder.encode(openapi_document("gapless", version().version, state.config))
         )
         self.routes: dict[str, dict[str, Handler]] = {
             "/v1/completions": {"POST": self._completions},
@@ -55,7 +57,11 @@ class App:
             "/v1/engine/stats": {"GET": self._engine_stats},
             "/v1/engine/timeline": {"GET": self._engine_timeline},
             "/metrics": {"GET": self._metrics},
+            "/tokenize": {"POST": self._tokenize},
+            "/detokenize": {"POST": self._detokenize},
+            "/version": {"GET": self._version},
         }
+        self._version_body = version()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -89,6 +95,8 @@ class App:
             else self._keys.authorize(req.headers.get("authorization", ""))
         )
         methods = self.routes.get(req.path)
+        if methods is None and req.path.startswith(MODEL_PREFIX):
+            methods = {"GET": self._model}
         if methods is None:
             raise ApiError(404, f"no route for {req.path}", code="not_found")
         handler = methods.get(req.method)
@@ -116,6 +124,26 @@ class App:
             max_model_len=config.model.max_model_len,
         )
         await out.json(200, ModelList(data=[card]))
+
+    async def _model(self, req: HttpRequest, out: Responder, caller: Caller) -> None:
+        """GET /v1/models/{id}: the served model's card, 404 for any other."""
+        config = self.state.config
+        name = unquote(req.path[len(MODEL_PREFIX) :])
+        if name != config.served_model_name:
+            raise ApiError(
+                404, f"the model `{name}` does not exist", param="model", code="model_not_found"
+            )
+        card = ModelCard(id=name, created=self._created, max_model_len=config.model.max_model_len)
+        await out.json(200, card)
+
+    async def _tokenize(self, req: HttpRequest, out: Responder, caller: Caller) -> None:
+        await handle_tokenize(self.state, req, out)
+
+    async def _detokenize(self, req: HttpRequest, out: Responder, caller: Caller) -> None:
+        await handle_detokenize(self.state, req, out)
+
+    async def _version(self, req: HttpRequest, out: Responder, caller: Caller) -> None:
+        await out.json(200, self._version_body)
 
     async def _health(self, req: HttpRequest, out: Responder, caller: Caller) -> None:
         engine = self.state.engine

@@ -12,10 +12,12 @@ from gapless.core.common.messages import TextDelta
 from gapless.frontend.asgi import HttpRequest, Responder, encoder
 from gapless.frontend.errors import bad_request, decode_body
 from gapless.frontend.generation import ChoiceResult, Job, respond
+from gapless.frontend.openai_fields import CHAT_REFUSED, check_fields, struct_fields
 from gapless.frontend.params import (
     check_cache_salt,
     check_logprobs,
     check_max_tokens,
+    check_min_tokens,
     check_model,
     check_n,
     per_choice,
@@ -25,34 +27,74 @@ from gapless.frontend.params import (
 from gapless.frontend.protocol import ChatCompletionRequest
 from gapless.frontend.responses import (
     AssistantMessage,
+    CallDelta,
+    CallOut,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletion,
     ChatCompletionChunk,
     ChatDelta,
+    ToolCallDelta,
+    ToolCallOut,
     Usage,
     chat_logprobs,
 )
 from gapless.frontend.state import FrontendState
 from gapless.frontend.tenants import Caller, priority_of, tenant_of
+from gapless.frontend.tool_parsers import Parsed, ToolParser, make_parser
+from gapless.frontend.tools import plan_tools, template_messages
 
 _decoder = msgspec.json.Decoder(ChatCompletionRequest)
+_KNOWN = struct_fields(ChatCompletionRequest)
 
 
 class ChatChunks:
-    """`chat.completion.chunk`s: each choice opens with the assistant role and empty content."""
+    """`chat.completion.chunk`s: each choice opens with the assistant role and empty content.
+    With a tool parser, each choice's text goes through its reader: content as it can be sent,
+    each call whole once complete, and finish_reason tool_calls if it made any."""
 
-    def __init__(self, response_id: str, created: int, model: str, logprobs: bool) -> None:
+    def __init__(
+        self,
+        response_id: str,
+        created: int,
+        model: str,
+        logprobs: bool,
+        parser: ToolParser | None = None,
+        n: int = 1,
+    ) -> None:
         self._head = (response_id, created, model)
         self._logprobs = logprobs
+        self._readers = [parser.reader() for _ in range(n)] if parser is not None else None
+        self._num_calls = [0] * n
 
-    def opening(self, index: int) -> bytes | None:
+    def opening(self, index: int, first: TextDelta) -> bytes | None:
         return self._encode([ChatChunkChoice(index, ChatDelta(role="assistant", content=""))])
 
-    def delta(self, index: int, delta: TextDelta) -> bytes:
+    def delta(self, index: int, delta: TextDelta) -> bytes | None:
         logprobs = chat_logprobs(delta.logprobs or []) if self._logprobs else None
-        content = delta.text if delta.text or delta.finish_reason is None else None
-        choice = ChatChunkChoice(index, ChatDelta(content=content), logprobs, delta.finish_reason)
+        text, calls, reason = delta.text, None, delta.finish_reason
+        if self._readers is not None:
+            reader = self._readers[index]
+            parsed = reader.feed(delta.text)
+            if reason is not None:
+                rest = reader.finish()
+                parsed = Parsed(parsed.content + rest.content, parsed.calls + rest.calls)
+            text = parsed.content
+            if parsed.calls:
+                first = self._num_calls[index]
+                self._num_calls[index] += len(parsed.calls)
+                calls = [
+                    ToolCallDelta(first + i, c.id, "function", CallDelta(c.name, c.arguments))
+                    for i, c in enumerate(parsed.calls)
+                ]
+            if reason == "stop" and self._num_calls[index]:
+                reason = "tool_calls"
+            if not text and calls is None and reason is None and logprobs is None:
+                return None
+        content = text if text or reason is None else None
+        choice = ChatChunkChoice(
+            index, ChatDelta(content=content, tool_calls=calls), logprobs, reason
+        )
         return self._encode([choice])
 
     def usage(self, usage: Usage) -> bytes:
@@ -64,6 +106,22 @@ class ChatChunks:
             id=rid, created=created, model=model, choices=choices, usage=usage
         )
         return encoder.encode(chunk)
+
+
+def _message(
+    text: str, reason: str | None, parser: ToolParser | None
+) -> tuple[AssistantMessage, str | None]:
+    """The whole answer as a message, and its finish_reason (tool_calls if it made calls)."""
+    if parser is None:
+        return AssistantMessage(text, "assistant"), reason
+    parsed = parser.parse(text)
+    if not parsed.calls:
+        return AssistantMessage(text, "assistant"), reason
+    calls = [ToolCallOut(c.id, CallOut(c.name, c.arguments)) for c in parsed.calls]
+    content = parsed.content if parsed.content.strip() else None
+    return AssistantMessage(
+        content, "assistant", calls
+    ), "tool_calls" if reason == "stop" else reason
 
 
 def _logprobs(body: ChatCompletionRequest, config: EngineConfig) -> int | None:
@@ -83,6 +141,7 @@ async def handle_chat(
     raw = await req.body(config.max_body_bytes)
     received = time.perf_counter()  # the whole request is here: admission's clock starts
     body = decode_body(_decoder, raw)
+    check_fields(raw, "chat", _KNOWN, CHAT_REFUSED)
     check_model(body.model, config)
     n = check_n(body.n, config)
     budget_name = (
@@ -94,7 +153,22 @@ async def handle_chat(
         config,
     )
     logprobs = _logprobs(body, config)
-    base = sampling_params(body, 1, logprobs, config)
+    bad_words = await state.prompter.bad_words_ids(body.bad_words)
+    base = sampling_params(body, 1, logprobs, config, bad_words)
+    prompter = state.prompter
+    tools = await plan_tools(body, prompter.grammars)
+    grammar = await prompter.grammars.response_format(body.response_format)
+    if grammar is not None and tools.grammar is not None:
+        raise bad_request(
+            "response_format cannot be combined with a required or named tool_choice",
+            param="response_format",
+        )
+    grammar = grammar or tools.grammar
+    if grammar is not None:
+        base = msgspec.structs.replace(base, grammar=grammar)
+    parser = make_parser(config.tool_call_parser) if tools.read_calls else None
+    parallel = body.parallel_tool_calls is not False
+    messages = template_messages(body.messages, tools, prompter.chat_template.takes_tools, parallel)
     tenant = tenant_of(caller, req.headers.get("x-tenant"), body.user)
     priority = priority_of(body.priority, tenant, config)
     salt = check_cache_salt(body.cache_salt)
@@ -105,15 +179,11 @@ async def handle_chat(
     )
 
     def build(choices: list[ChoiceResult], usage: Usage) -> ChatCompletion:
-        out_choices = [
-            ChatChoice(
-                index=i,
-                message=AssistantMessage(c.text),
-                logprobs=chat_logprobs(c.logprobs) if logprobs is not None else None,
-                finish_reason=c.finish_reason,
-            )
-            for i, c in enumerate(choices)
-        ]
+        out_choices = []
+        for i, c in enumerate(choices):
+            message, reason = _message(c.text, c.finish_reason, parser)
+            lp = chat_logprobs(c.logprobs) if logprobs is not None else None
+            out_choices.append(ChatChoice(i, message, lp, reason))
         return ChatCompletion(
             id=response_id, created=created, model=model, choices=out_choices, usage=usage
         )
@@ -121,13 +191,29 @@ async def handle_chat(
     # admission (README, "Admission control"): the request caps before the chat template and
     # tokenizing, the token cap after; the ticket counts the request until its choices start
     with state.admission.admit(tenant, n, received) as ticket:
-        prompt_ids = await state.prompter.chat_ids(body.messages)
+        prompt_ids = await prompter.chat_ids(
+            messages,
+            tools=tools.offered if prompter.chat_template.takes_tools else None,
+            documents=body.documents,
+            add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
+            kwargs=body.chat_template_kwargs,
+        )
         budget = resolve_max_tokens(max_tokens, budget_name, len(prompt_ids), "messages", config)
+        check_min_tokens(base, budget, budget_name)
         state.admission.admit_tokens(ticket, len(prompt_ids), received)
         params = per_choice(msgspec.structs.replace(base, max_tokens=budget), n)
         rid = state.engine.next_request_id()
         job = Job(
-            "chat", rid, prompt_ids, params, tenant, priority, arrival, ticket, cache_salt=salt
+            "chat",
+            rid,
+            [prompt_ids] * n,
+            params,
+            tenant,
+            priority,
+            arrival,
+            ticket,
+            cache_salt=salt,
         )
         await respond(
             state,
@@ -136,6 +222,6 @@ async def handle_chat(
             out,
             streaming=bool(body.stream),
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
-            fmt=ChatChunks(response_id, created, model, logprobs is not None),
+            fmt=ChatChunks(response_id, created, model, logprobs is not None, parser, n),
             build=build,
         )

@@ -58,7 +58,8 @@ def _joined(a: TextDelta, b: TextDelta) -> TextDelta:
         logprobs,
         b.error,
         b.code,
-        b.num_cached_tokens,
+        num_cached_tokens=b.num_cached_tokens,
+        prompt_logprobs=a.prompt_logprobs if a.prompt_logprobs is not None else b.prompt_logprobs,
     )
 
 
@@ -206,17 +207,19 @@ class EngineClient:
         priority: int = 0,
         arrival_time: float | None = None,
         ticket: Ticket | None = None,
+        choice_prompts: list[list[int]] | None = None,
         keepalive_s: float = 0.0,
         label: str = "",
         cache_salt: str = "",
-        block_hashes: list[bytes] | None = None,
+        choice_block_hashes: list[list[bytes]] | None = None,
     ) -> AsyncIterator[tuple[int, TextDelta]]:
         """One engine request per params entry (ids `{request_id}-{i}`), merged as
         (choice index, delta) until every choice's last delta (one with a finish_reason).
 
         `ticket` is the request's place in `queue` from its admission decision, for
         len(params) choices (without one, a ticket is taken here); each choice leaves it when
-        its first delta comes or the request ends.
+        its first delta comes or the request ends. `choice_prompts`, one per params entry,
+        gives each choice its own prompt (a batch of completion prompts).
 
         With `keepalive_s` > 0, yields IDLE (-1, None) after each keepalive_s without a delta.
 
@@ -240,19 +243,21 @@ class EngineClient:
             self._queues[rid] = queue
             unstarted[rid] = ticket
         try:
-            for rid, p in zip(ids, params, strict=True):
+            prompts = choice_prompts or [prompt_token_ids] * len(params)
+            hashes = choice_block_hashes or [[]] * len(params)
+            for rid, prompt, p, named in zip(ids, prompts, params, hashes, strict=True):
                 self._send(
                     AddRequest(
                         rid,
                         self.frontend_id,
-                        prompt_token_ids,
+                        prompt,
                         p,
                         arrival,
                         tenant,
                         priority,
                         label=label,
                         cache_salt=cache_salt,
-                        block_hashes=block_hashes or [],
+                        block_hashes=named,
                     )
                 )
             loop = asyncio.get_running_loop()

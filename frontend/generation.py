@@ -28,7 +28,7 @@ from gapless.frontend.asgi import (
 from gapless.frontend.engine_client import EngineDeadError, Overflow, StreamCut
 from gapless.frontend.errors import ApiError, engine_unavailable
 from gapless.frontend.queue_view import Ticket
-from gapless.frontend.responses import PromptTokensDetails, Usage
+from gapless.frontend.responses import CompletionTokensDetails, PromptTokensDetails, Usage
 from gapless.frontend.state import FrontendState
 
 log = logging.getLogger("gapless.frontend")
@@ -38,7 +38,7 @@ log = logging.getLogger("gapless.frontend")
 class Job:
     endpoint: str  # "completions" or "chat", for metrics
     request_id: str
-    prompt_ids: list[int]
+    prompt_ids: list[list[int]]  # one per choice (a batch of prompts gives choices n apiece)
     params: list[SamplingParams]  # one per choice
     tenant: str
     priority: int
@@ -47,12 +47,21 @@ class Job:
     label: str = ""  # the X-Request-Id, carried to the engine for its logs
     stats: RequestStats = field(default_factory=RequestStats)  # for the access line
     cache_salt: str = ""
+    num_prompt_tokens: int = 0  # usage: each prompt counted once, however many choices
+
+    def __post_init__(self) -> None:
+        assert len(self.prompt_ids) == len(self.params), "one prompt per choice"
+        if not self.num_prompt_tokens:
+            self.num_prompt_tokens = len(self.prompt_ids[0])
 
 
 @dataclass
 class ChoiceResult:
     parts: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] | None = (
+        None  # asked with echo: prompt tokens after the first
+    )
     finish_reason: str | None = None
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
@@ -65,9 +74,11 @@ class ChoiceResult:
 class ChunkFormat(Protocol):
     """Shapes one endpoint's SSE chunks as encoded JSON."""
 
-    def opening(self, index: int) -> bytes | None: ...
+    def opening(self, index: int, first: TextDelta) -> bytes | None: ...
 
-    def delta(self, index: int, delta: TextDelta) -> bytes: ...
+    def delta(self, index: int, delta: TextDelta) -> bytes | None:
+        """The chunk for this delta; None when there is nothing to send yet."""
+        ...
 
     def usage(self, usage: Usage) -> bytes: ...
 
@@ -100,12 +111,35 @@ def prompt_block_hashes(config: EngineConfig, prompt_ids: list[int], salt: str) 
     return chain_hashes(hash_root(config.model.path, salt), prompt_ids, config.block_size)
 
 
-def usage_of(job: Job, num_output_tokens: list[int], num_cached_tokens: int) -> Usage:
-    """num_cached_tokens: the first choice's prompt tokens found in the prefix cache (the
-    choices share one prompt)."""
+def _choice_block_hashes(config: EngineConfig, job: Job) -> list[list[bytes]]:
+    """Each choice's prompt block names; a prompt shared by several choices is hashed once."""
+    named: dict[int, list[bytes]] = {}
+    out = []
+    for prompt in job.prompt_ids:
+        if id(prompt) not in named:
+            named[id(prompt)] = prompt_block_hashes(config, prompt, job.cache_salt)
+        out.append(named[id(prompt)])
+    return out
+
+
+def usage_of(job: Job, num_output_tokens: list[int], num_cached_tokens: list[int]) -> Usage:
+    """num_cached_tokens: each choice's prompt tokens found in the prefix cache; a prompt counts
+    once, by its first choice, however many choices share it (as its tokens do)."""
     completion = sum(num_output_tokens)
-    n = len(job.prompt_ids)
-    return Usage(n, completion, n + completion, PromptTokensDetails(num_cached_tokens))
+    seen: set[int] = set()
+    cached = 0
+    for prompt, num in zip(job.prompt_ids, num_cached_tokens, strict=True):
+        if id(prompt) not in seen:
+            seen.add(id(prompt))
+            cached += num
+    prompt = job.num_prompt_tokens
+    return Usage(
+        prompt,
+        completion,
+        prompt + completion,
+        prompt_tokens_details=PromptTokensDetails(cached),
+        completion_tokens_details=CompletionTokensDetails(),
+    )
 
 
 async def _deltas(
@@ -114,15 +148,16 @@ async def _deltas(
     """The engine's deltas for the job, with failures raised as ApiError and metrics observed
     (and, with keepalive_s, engine_client.IDLE when none came for that long)."""
     observer = metrics.observer
-    observer.arrived(job.endpoint, len(job.prompt_ids))
+    observer.arrived(job.endpoint, job.num_prompt_tokens)
     first = True
     outputs = [0] * len(job.params)
     last = [0.0] * len(job.params)  # perf_counter of each choice's previous delta
     reason = None
     stream = state.engine.generate_n(
         job.request_id,
-        job.prompt_ids,
+        job.prompt_ids[0],
         job.params,
+        choice_prompts=job.prompt_ids,
         tenant=job.tenant,
         priority=job.priority,
         arrival_time=job.arrival_time,
@@ -130,7 +165,7 @@ async def _deltas(
         keepalive_s=keepalive_s,
         label=job.label,
         cache_salt=job.cache_salt,
-        block_hashes=prompt_block_hashes(state.config, job.prompt_ids, job.cache_salt),
+        choice_block_hashes=_choice_block_hashes(state.config, job),
     )
     try:
         async with aclosing(stream):
@@ -171,6 +206,8 @@ async def collect(state: FrontendState, job: Job) -> list[ChoiceResult]:
             choice.parts.append(delta.text)
             if delta.logprobs:
                 choice.logprobs.extend(delta.logprobs)
+            if delta.prompt_logprobs is not None:
+                choice.prompt_logprobs = delta.prompt_logprobs
             choice.num_output_tokens = delta.num_output_tokens
             choice.finish_reason = delta.finish_reason
             if delta.finish_reason is not None:
@@ -186,7 +223,7 @@ async def stream(
     opened = [False] * len(job.params)
     outputs = [0] * len(job.params)
     ended = [False] * len(job.params)
-    cached = 0
+    cached = [0] * len(job.params)
     observer = metrics.observer
     engine = state.engine
     keepalive_s = state.config.sse_keepalive_s
@@ -199,14 +236,16 @@ async def stream(
                 received = engine.last_received  # read before the first await below
                 if not opened[index]:
                     opened[index] = True
-                    opening = fmt.opening(index)
+                    opening = fmt.opening(index, delta)
                     if opening is not None:
                         await out.event(opening)
                 outputs[index] = delta.num_output_tokens
                 ended[index] = delta.finish_reason is not None
-                if index == 0 and delta.finish_reason is not None:
-                    cached = delta.num_cached_tokens
-                await out.event(fmt.delta(index, delta))
+                if delta.finish_reason is not None:
+                    cached[index] = delta.num_cached_tokens
+                chunk = fmt.delta(index, delta)
+                if chunk is not None:
+                    await out.event(chunk)
                 observer.streamed(time.perf_counter() - received)
     except Overflow as cut:
         raise SlowReader("buffer", str(cut)) from None
@@ -216,11 +255,12 @@ async def stream(
         for index, done in enumerate(ended):
             if done:
                 continue
-            if not opened[index] and (opening := fmt.opening(index)) is not None:
-                await out.event(opening)
             rid = f"{job.request_id}-{index}"
-            last = TextDelta(rid, "", [], len(job.prompt_ids), outputs[index], "abort")
-            await out.event(fmt.delta(index, last))
+            last = TextDelta(rid, "", [], len(job.prompt_ids[index]), outputs[index], "abort")
+            if not opened[index] and (opening := fmt.opening(index, last)) is not None:
+                await out.event(opening)
+            if (chunk := fmt.delta(index, last)) is not None:
+                await out.event(chunk)
         raise cut_error(cut) from None
     if include_usage:
         await out.event(fmt.usage(usage_of(job, outputs, cached)))
@@ -261,5 +301,7 @@ async def respond(
     except ClientGone:
         metrics.observer.aborted(job.endpoint)
         raise
-    usage = usage_of(job, [c.num_output_tokens for c in choices], choices[0].num_cached_tokens)
+    usage = usage_of(
+        job, [c.num_output_tokens for c in choices], [c.num_cached_tokens for c in choices]
+    )
     await out.json(200, build(choices, usage))

@@ -20,7 +20,15 @@ from gapless.frontend.responses import (
     ChatCompletionChunk,
     Completion,
     Health,
+    ModelCard,
     ModelList,
+)
+from gapless.frontend.utility_routes import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+    Version,
 )
 
 _REF = "#/components/schemas/{name}"
@@ -56,6 +64,23 @@ def _generate(request: str, whole: str, chunk: str, summary: str) -> dict[str, A
             },
         }
     }
+
+
+def _post(request: str, response: str, summary: str, *errors: int) -> dict[str, Any]:
+    ok = {"description": "ok", "content": {"application/json": {"schema": _ref(response)}}}
+    body = {"required": True, "content": {"application/json": {"schema": _ref(request)}}}
+    return {
+        "post": {
+            "summary": summary,
+            "requestBody": body,
+            "responses": {"200": ok, **_errors(*errors)},
+        }
+    }
+
+
+def _plain(summary: str, content_type: str, *errors: int) -> dict[str, Any]:
+    ok = {"description": "ok", "content": {content_type: {"schema": {"type": "object"}}}}
+    return {"get": {"summary": summary, "responses": {"200": ok, **_errors(*errors)}}}
 
 
 def _get(schema: str, summary: str, *errors: int) -> dict[str, Any]:
@@ -129,6 +154,12 @@ def openapi_document(
         ModelList,
         Health,
         ErrorResponse,
+        ModelCard,
+        TokenizeRequest,
+        TokenizeResponse,
+        DetokenizeRequest,
+        DetokenizeResponse,
+        Version,
     ]
     _, components = msgspec.json.schema_components(types, ref_template=_REF)
     if config is not None:
@@ -138,6 +169,7 @@ def openapi_document(
                 if field in ranges:
                     _constrain(schema, ranges[field])
     health = _get("Health", "200 while the engine is alive, else 503", 503)
+    metrics = _plain("Prometheus text format", "text/plain", 401)
     doc = {
         "openapi": "3.1.0",
         "info": {"title": title, "version": version},
@@ -149,6 +181,30 @@ def openapi_document(
                 "ChatCompletionRequest", "ChatCompletion", "ChatCompletionChunk", "chat completion"
             ),
             "/v1/models": _get("ModelList", "the served model", 401),
+            "/v1/models/{model}": _get("ModelCard", "one model, if it is the served one", 401, 404),
+            "/tokenize": _post(
+                "TokenizeRequest",
+                "TokenizeResponse",
+                "a prompt or messages as token ids",
+                400,
+                401,
+                404,
+            ),
+            "/detokenize": _post(
+                "DetokenizeRequest", "DetokenizeResponse", "token ids as text", 400, 401, 404
+            ),
+            "/version": _get("Version", "the server's version", 401),
+            "/v1/engine/stats": _plain(
+                "the core's queues and KV blocks", "application/json", 401, 503
+            ),
+            "/v1/engine/timeline": _plain(
+                "the device timeline of the last `last` steps (query, default 256)",
+                "application/json",
+                400,
+                401,
+                503,
+            ),
+            "/metrics": metrics,
             "/health": health,
             "/openapi.json": {
                 "get": {"summary": "this document", "responses": {"200": {"description": "ok"}}}
@@ -160,4 +216,6 @@ def openapi_document(
         doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
         doc["security"] = [{"bearer": []}]
         health["get"]["security"] = []  # why: probes carry no key
+        if config is None or not config.metrics_require_key:
+            metrics["get"]["security"] = []
     return doc

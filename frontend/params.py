@@ -121,10 +121,54 @@ def _stop_token_ids(ids: list[int] | None, config: EngineConfig) -> tuple[int, .
     return tuple(ids or ())
 
 
+def _token_id(value: int, param: str, config: EngineConfig) -> int:
+    vocab = config.model.vocab_size
+    if not 0 <= value < vocab:
+        raise bad_request(
+            f"{param} holds {value}, outside the vocabulary [0, {vocab})", param=param
+        )
+    return value
+
+
+MAX_LOGIT_BIAS = 300  # entries; OpenAI's own limit
+
+
+def _logit_bias(
+    bias: dict[str, float] | None, config: EngineConfig
+) -> tuple[tuple[int, float], ...]:
+    if not bias:
+        return ()
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise bad_request(
+            f"logit_bias may hold at most {MAX_LOGIT_BIAS} entries, got {len(bias)}",
+            param="logit_bias",
+        )
+    out = []
+    for key, value in bias.items():
+        if not key.lstrip("-").isdigit():
+            raise bad_request(f"logit_bias keys are token ids, got {key!r}", param="logit_bias")
+        token_id = _token_id(int(key), "logit_bias", config)
+        out.append((token_id, _in_range(float(value), -100.0, 100.0, "logit_bias")))
+    return tuple(sorted(out))
+
+
+def _allowed(ids: list[int] | None, config: EngineConfig) -> tuple[int, ...] | None:
+    if ids is None:
+        return None
+    if not ids:
+        raise bad_request("allowed_token_ids must not be empty", param="allowed_token_ids")
+    return tuple(sorted({_token_id(i, "allowed_token_ids", config) for i in ids}))
+
+
 def sampling_params(
-    req: SamplingFields, max_tokens: int, logprobs: int | None, config: EngineConfig
+    req: SamplingFields,
+    max_tokens: int,
+    logprobs: int | None,
+    config: EngineConfig,
+    bad_words_ids: tuple[tuple[int, ...], ...] = (),
 ) -> SamplingParams:
-    """Every range check of the shared sampling fields; max_tokens and logprobs come checked."""
+    """Every range check of the shared sampling fields; max_tokens and logprobs come checked,
+    bad_words come tokenized (`Prompter.bad_words_ids`)."""
     top_k = 0 if req.top_k is None else req.top_k
     if top_k < -1:
         raise bad_request(f"top_k must be -1, 0 (off) or positive, got {top_k}", param="top_k")
@@ -132,6 +176,9 @@ def sampling_params(
     if seed is not None and not -_INT64 <= seed < _INT64:
         raise bad_request("seed must fit in a signed 64-bit integer", param="seed")
     f = _float_or
+    min_tokens = req.min_tokens or 0
+    if min_tokens < 0:
+        raise bad_request(f"min_tokens must not be negative, got {min_tokens}", param="min_tokens")
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=_in_range(f(req.temperature, 1.0), 0.0, 2.0, "temperature"),
@@ -150,7 +197,20 @@ def sampling_params(
         stop=_stops(req.stop, config),
         include_stop_str_in_output=req.include_stop_str_in_output,
         skip_special_tokens=req.skip_special_tokens,
+        min_tokens=min_tokens,
+        logit_bias=_logit_bias(req.logit_bias, config),
+        allowed_token_ids=_allowed(req.allowed_token_ids, config),
+        bad_words_ids=bad_words_ids,
     )
+
+
+def check_min_tokens(params: SamplingParams, max_tokens: int, name: str) -> None:
+    """min_tokens cannot exceed the output budget."""
+    if params.min_tokens > max_tokens:
+        raise bad_request(
+            f"min_tokens ({params.min_tokens}) must not exceed {name} ({max_tokens})",
+            param="min_tokens",
+        )
 
 
 def _float_or(value: float | None, default: float) -> float:

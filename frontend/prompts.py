@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 from concurrent.futures import Executor
+from pathlib import Path
 from typing import Any
 
 import tokenizers
@@ -16,7 +17,7 @@ from gapless.core.common.config import EngineConfig
 from gapless.frontend import metrics
 from gapless.frontend.chat_template import ChatTemplate
 from gapless.frontend.errors import bad_request
-from gapless.frontend.protocol import ChatMessage
+from gapless.frontend.structured import Grammars
 
 CompletionPrompt = str | list[int | str | list[int]]
 
@@ -36,8 +37,12 @@ class Prompter:
         def token_text(token_id: int | None) -> str:
             return (tokenizer.id_to_token(token_id) or "") if token_id is not None else ""
 
+        self.grammars = Grammars(tokenizer, config, executor)
+        source = model.chat_template
+        if config.chat_template is not None:
+            source = Path(config.chat_template).read_text(encoding="utf-8")
         self.chat_template = ChatTemplate(
-            model.chat_template,
+            source,
             bos_token=token_text(model.bos_token_id),
             eos_token=token_text(model.eos_token_ids[0] if model.eos_token_ids else None),
             timeout_s=config.chat_template_timeout_s,
@@ -45,9 +50,25 @@ class Prompter:
             executor=executor,
         )
 
+    async def completion_prompts(self, prompt: CompletionPrompt) -> list[list[int]]:
+        """Token ids of each prompt of a /v1/completions request (one, or a batch); BOS is added
+        to text only if the model asks."""
+        prompts = _prompts(prompt)
+        if len(prompts) > self.config.max_prompts:
+            raise bad_request(
+                f"prompt holds {len(prompts)} prompts; at most {self.config.max_prompts}",
+                param="prompt",
+            )
+        return [await self._one_prompt(p) for p in prompts]
+
     async def completion_ids(self, prompt: CompletionPrompt) -> list[int]:
-        """Token ids of a /v1/completions prompt; BOS is added to text only if the model asks."""
-        one = _single_prompt(prompt)
+        """Token ids of a one-prompt request; a batch is refused."""
+        prompts = _prompts(prompt)
+        if len(prompts) != 1:
+            raise bad_request(f"prompt holds {len(prompts)} prompts; one is needed", param="prompt")
+        return await self._one_prompt(prompts[0])
+
+    async def _one_prompt(self, one: str | list[int]) -> list[int]:
         if isinstance(one, str):
             if not one:
                 raise bad_request("prompt must not be empty", param="prompt")
@@ -67,12 +88,29 @@ class Prompter:
                 )
         return one
 
-    async def chat_ids(self, messages: list[ChatMessage]) -> list[int]:
-        """Token ids of the rendered conversation; the template already holds special tokens."""
+    async def bad_words_ids(self, words: list[str] | None) -> tuple[tuple[int, ...], ...]:
+        """Each bad word as token ids, both as written and after a space (how it appears
+        mid-sentence with a byte-level BPE)."""
+        out: dict[tuple[int, ...], None] = {}
+        for word in words or ():
+            if not word.strip():
+                raise bad_request("bad_words must not hold empty words", param="bad_words")
+            for variant in (word, " " + word.lstrip()):
+                ids = tuple(await self._encode(variant, None))
+                if ids:
+                    out[ids] = None
+        return tuple(out)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    async def chat_ids(self, messages: list[dict[str, Any]], **render: Any) -> list[int]:
+        """Token ids of the rendered conversation (message dicts, `frontend.tools`); render
+        holds the template's other arguments. The template already holds special tokens."""
         if not messages:
             raise bad_request("messages must not be empty", param="messages")
         t0 = time.perf_counter()
-        text = await self.chat_template.render([_message_dict(m) for m in messages])
+        text = await self.chat_template.render(messages, **render)
         ids = await self._encode(text, None)
         metrics.observer.tokenized(time.perf_counter() - t0)
         return ids
@@ -86,31 +124,14 @@ class Prompter:
         return [bos, *ids] if bos is not None else ids
 
 
-def _single_prompt(prompt: CompletionPrompt) -> str | list[int]:
-    """The one prompt a request carries; a batch of several is refused."""
+def _prompts(prompt: CompletionPrompt) -> list[str | list[int]]:
+    """The prompts a request carries: text, token ids, or a list of either."""
     if isinstance(prompt, str):
-        return prompt
+        return [prompt]
+    if not prompt:
+        raise bad_request("prompt must not be empty", param="prompt")
     if all(isinstance(x, int) for x in prompt):
-        return prompt  # type: ignore[return-value]
-    if len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        return prompt[0]
+        return [prompt]  # type: ignore[list-item]
     if any(isinstance(x, int) for x in prompt):
         raise bad_request("prompt mixes token ids with strings or lists", param="prompt")
-    raise bad_request(
-        f"prompt holds {len(prompt)} prompts; this server takes one prompt per request",
-        param="prompt",
-    )
-
-
-def _message_dict(message: ChatMessage) -> dict[str, Any]:
-    content = message.content
-    if content is None:
-        content = ""
-    elif not isinstance(content, str):
-        content = "\n".join(part.text for part in content)
-    out: dict[str, Any] = {"role": message.role, "content": content}
-    if message.name is not None:
-        out["name"] = message.name
-    if message.tool_call_id is not None:
-        out["tool_call_id"] = message.tool_call_id
-    return out
+    return list(prompt)  # type: ignore[arg-type]

@@ -6,11 +6,11 @@ Optional fields accept JSON null, as the OpenAI API does. Values are range-check
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
-Role = Literal["system", "user", "assistant", "tool"]
+Role = Literal["system", "developer", "user", "assistant", "tool"]  # developer: as system
 
 
 class StreamOptions(msgspec.Struct):
@@ -32,6 +32,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     user: str | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     # engine extras
     top_k: int | None = None  # 0 or -1 disables
     min_p: float | None = None
@@ -40,6 +41,9 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    min_tokens: int | None = None  # EOS and stop token ids cannot end the output before this
+    allowed_token_ids: list[int] | None = None  # sample only among these
+    bad_words: list[str] | None = None  # never completed, as text with or without a space before
     # an integer in [-1000, 1000], lower runs sooner, or interactive (-10), default (0), batch (10);
     # absent: the tenant's default. Checked in frontend.tenants
     priority: int | str | None = None
@@ -48,7 +52,8 @@ class SamplingFields(msgspec.Struct, kw_only=True):
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
-    """POST /v1/completions. One prompt: text, token ids, or a list holding one of those."""
+    """POST /v1/completions. A prompt (text or token ids) or a batch of them (a list of
+    strings or of token-id lists); max_tokens defaults to 16 here, as OpenAI's does."""
 
     prompt: str | list[int | str | list[int]]
     logprobs: int | None = None  # 0..max_logprobs: sampled token plus this many alternatives
@@ -59,11 +64,71 @@ class TextPart(msgspec.Struct, tag="text", tag_field="type"):
     text: str
 
 
+class CalledFunction(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str  # JSON text, as the API carries it
+
+
+class ToolCall(msgspec.Struct, kw_only=True):
+    """A call an assistant message made, sent back in the history."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(msgspec.Struct, kw_only=True):
     role: Role
     content: str | list[TextPart] | None = None
     name: str | None = None
-    tool_call_id: str | None = None
+    tool_call_id: str | None = None  # role tool: the call this answers
+    tool_calls: list[ToolCall] | None = None  # role assistant
+
+
+class FunctionDef(msgspec.Struct, kw_only=True):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema of the arguments object
+    strict: bool | None = None
+
+
+class Tool(msgspec.Struct, kw_only=True):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(msgspec.Struct, kw_only=True):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, kw_only=True):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class TextFormat(msgspec.Struct, tag="text", tag_field="type"):
+    pass
+
+
+class JsonObjectFormat(msgspec.Struct, tag="json_object", tag_field="type"):
+    pass
+
+
+class JsonSchemaSpec(msgspec.Struct, kw_only=True):
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = msgspec.field(default=None, name="schema")
+    strict: bool | None = None  # true: a keyword the grammar engine lacks is a 400
+
+
+class JsonSchemaFormat(msgspec.Struct, tag="json_schema", tag_field="type"):
+    json_schema: JsonSchemaSpec
+
+
+ResponseFormat = TextFormat | JsonObjectFormat | JsonSchemaFormat
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
@@ -73,3 +138,12 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     max_completion_tokens: int | None = None  # the newer name of max_tokens; wins when both
     logprobs: bool | None = None
     top_logprobs: int | None = None  # needs logprobs=true
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None  # default: auto with tools, none without
+    parallel_tool_calls: bool | None = None  # default true: several calls in one answer
+    # engine extras, as Hugging Face's apply_chat_template takes them
+    documents: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False

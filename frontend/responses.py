@@ -11,11 +11,20 @@ class PromptTokensDetails(msgspec.Struct):
     cached_tokens: int  # prompt tokens whose KV came from the prefix cache
 
 
+class CompletionTokensDetails(msgspec.Struct):
+    """What the completion tokens were; gapless has no reasoning or predicted outputs."""
+
+    reasoning_tokens: int = 0
+    accepted_prediction_tokens: int = 0
+    rejected_prediction_tokens: int = 0
+
+
 class Usage(msgspec.Struct):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None
 
 
 # ---------------------------------------------------------------- /v1/completions
@@ -23,8 +32,8 @@ class Usage(msgspec.Struct):
 
 class CompletionLogprobs(msgspec.Struct):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # None: an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]  # characters into this choice's generated text
 
 
@@ -64,9 +73,33 @@ class ChatLogprobs(msgspec.Struct):
     content: list[ChatTokenLogprob]
 
 
-class AssistantMessage(msgspec.Struct):
-    content: str
-    role: str = "assistant"
+class CallOut(msgspec.Struct):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallOut(msgspec.Struct):
+    id: str
+    function: CallOut
+    type: str = "function"
+
+
+class AssistantMessage(msgspec.Struct, omit_defaults=True):
+    content: str | None  # None when the answer is only tool calls
+    role: str  # "assistant"
+    tool_calls: list[ToolCallOut] | None = None  # left out when there are none
+
+
+class CallDelta(msgspec.Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(msgspec.Struct, omit_defaults=True):
+    index: int  # the call's place in the choice's list of calls
+    id: str | None = None
+    type: str | None = None
+    function: CallDelta | None = None
 
 
 class ChatChoice(msgspec.Struct):
@@ -88,6 +121,7 @@ class ChatCompletion(msgspec.Struct, kw_only=True):
 class ChatDelta(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct):
@@ -130,18 +164,28 @@ class Health(msgspec.Struct):
 # ---------------------------------------------------------------- logprob shapes
 
 
-def completion_logprobs(items: list[TokenLogprob], text_offset: int) -> CompletionLogprobs:
-    """The legacy shape; text_offset is where the first token's text starts in the choice."""
+def completion_logprobs(
+    items: list[TokenLogprob], text_offset: int, first_prompt_token: str | None = None
+) -> CompletionLogprobs:
+    """The legacy shape; text_offset is where the first token's text starts in the choice.
+    With first_prompt_token (echo), that token opens the lists with no logprob."""
     offsets = []
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
+    if first_prompt_token is not None:
+        offsets.append(text_offset)
+        text_offset += len(first_prompt_token)
+        tokens.append(first_prompt_token)
+        token_logprobs.append(None)
+        top_logprobs.append(None)
     for item in items:
         offsets.append(text_offset)
         text_offset += len(item.token)
-    return CompletionLogprobs(
-        tokens=[item.token for item in items],
-        token_logprobs=[item.logprob for item in items],
-        top_logprobs=[{top.token: top.logprob for top in item.top} for item in items],
-        text_offset=offsets,
-    )
+        tokens.append(item.token)
+        token_logprobs.append(item.logprob)
+        top_logprobs.append({top.token: top.logprob for top in item.top})
+    return CompletionLogprobs(tokens, token_logprobs, top_logprobs, offsets)
 
 
 def chat_logprobs(items: list[TokenLogprob]) -> ChatLogprobs:

@@ -30,6 +30,7 @@ FED_SLOTS = 7  # [F] slot of each token fed by the plan (penalty bookkeeping)
 FED_POSITIONS = 8  # [F]
 FED_IDS = 9  # [F]
 NUM_COLS = 10
+_EMPTY = np.zeros(0, np.int64)
 STAGING_DEPTH = 2  # pinned host tables on cuda; the runner has at most two steps in flight
 
 
@@ -45,6 +46,10 @@ class StepInputs:
     layout: StepLayout
     sample_slots_host: np.ndarray  # [B_s] int64
     fed_slots_host: np.ndarray  # [F] int64
+    # prompt rows scored for prompt logprobs: their logits follow the B_s sampled ones
+    num_scored: int = 0  # P
+    scored_slots_host: np.ndarray | None = None  # [P] int64
+    scored_positions_host: np.ndarray | None = None  # [P] int64, of the token scored (row + 1)
 
 
 class PersistentBatch:
@@ -105,9 +110,14 @@ class PersistentBatch:
             self._copied[self._turn] = torch.cuda.Event()
         self._copied[self._turn].record()
 
-    def prepare(self, plan: StepPlan, pad: bool = True) -> StepInputs:
+    def prepare(
+        self, plan: StepPlan, pad: bool = True, scored_until: np.ndarray | None = None
+    ) -> StepInputs:
         """Fill the host table for one step and describe it; pad a decode-only batch to its
-        capture size when `pad`. upload() then moves the rows to the device."""
+        capture size when `pad`. upload() then moves the rows to the device.
+
+        scored_until [max_slots]: a fed row at position p of a slot whose prompt logprobs are
+        asked is scored (its logits kept, for the token at p + 1) while p + 1 < scored_until."""
         bs = self.block_size
         slots = np.asarray(plan.slots, dtype=np.int64)  # [B]
         n = np.asarray(plan.num_tokens, dtype=np.int64)  # [B]
@@ -145,7 +155,12 @@ class PersistentBatch:
         table[:t, SLOT_MAPPING] = self.block_table[tok_slot, positions // bs] * bs + positions % bs
         table[t:num_rows, :LOGIT_ROWS] = 0  # dummies: token 0 at position 0, K/V into block 0
         table[:s, LOGIT_ROWS] = ends[picked] - 1
-        table[s:num_rows, LOGIT_ROWS] = 0
+        scored = _EMPTY
+        if scored_until is not None:
+            scored = fed_rows[positions[fed_rows] + 1 < scored_until[tok_slot[fed_rows]]]
+        p = len(scored)
+        table[s : s + p, LOGIT_ROWS] = scored
+        table[s + p : num_rows, LOGIT_ROWS] = 0
         table[:s, SAMPLE_SLOTS] = slots[picked]
         table[:s, SAMPLE_POSITIONS] = ctx_len[picked]
         table[:f, FED_SLOTS] = tok_slot[fed_rows]
@@ -171,4 +186,7 @@ class PersistentBatch:
             layout=layout,
             sample_slots_host=slots[picked],
             fed_slots_host=tok_slot[fed_rows],
+            num_scored=p,
+            scored_slots_host=tok_slot[scored],
+            scored_positions_host=positions[scored] + 1,
         )

@@ -9,13 +9,13 @@ for the device; collect() waits for that event only.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from gapless.core.common.config import EngineConfig
-from gapless.core.common.messages import StepPlan, StepResult, StepTiming
+from gapless.core.common.messages import PromptLogprobs, StepPlan, StepResult, StepTiming
 from gapless.gpu_runner.attention import StepLayout
 from gapless.gpu_runner.batch import SLOT_MAPPING
 from gapless.gpu_runner.flashinfer_attention import FlashinferAttention, import_flashinfer
@@ -38,6 +38,8 @@ class Launched:
     forwarded: torch.cuda.Event
     end: torch.cuda.Event
     done: torch.cuda.Event  # on the copy stream: the host tensors are filled
+    # why computed at launch: only requests that ask for prompt logprobs pay the sync it costs
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
 
 
 def _timed() -> torch.cuda.Event:
@@ -102,8 +104,9 @@ class CudaBackend(ModelRunner):
         start.record()
         logits = self.run_model(inp, meta)
         forwarded.record()
-        out = self.sample(inp, logits)
+        out = self.sample(inp, logits[: inp.num_sample])
         end.record()
+        scored = self.score_prompt(inp, logits[inp.num_sample :])
         self.copy_stream.wait_event(end)
         with torch.cuda.stream(self.copy_stream):
             host = SampleOutput(
@@ -125,6 +128,7 @@ class CudaBackend(ModelRunner):
             forwarded=forwarded,
             end=end,
             done=done,
+            prompt_logprobs=scored,
         )
 
     def seconds_until_ready(self, handle: Launched) -> float:
@@ -136,6 +140,7 @@ class CudaBackend(ModelRunner):
             result = StepResult(handle.seq, [])
         else:
             result = step_result(handle.seq, handle.host, handle.num_logprobs)
+            result.prompt_logprobs = handle.prompt_logprobs
         handle.device = None
         result.timing = StepTiming(
             plan_received=handle.received,

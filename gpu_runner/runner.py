@@ -12,8 +12,14 @@ import numpy as np
 import torch
 
 from gapless.core.common.config import EngineConfig, max_useful_blocks
-from gapless.core.common.messages import StepPlan, StepResult, StepTiming
-from gapless.core.common.model_files import ModelArch, load_arch
+from gapless.core.common.messages import (
+    PromptLogprobs,
+    SampleLogprobs,
+    StepPlan,
+    StepResult,
+    StepTiming,
+)
+from gapless.core.common.model_files import ModelArch, load_arch, load_tokenizer
 from gapless.gpu_runner.attention import AttentionMeta, TorchAttention
 from gapless.gpu_runner.batch import (
     FED_IDS,
@@ -29,6 +35,7 @@ from gapless.gpu_runner.batch import (
     PersistentBatch,
     StepInputs,
 )
+from gapless.gpu_runner.grammar import GrammarRows
 from gapless.gpu_runner.graph import DecodeGraphs, capture_sizes
 from gapless.gpu_runner.logprobs import row_logprobs
 from gapless.gpu_runner.model import LlamaModel, rope_inv_freq
@@ -105,8 +112,21 @@ class ModelRunner:
             self.device,
             max_logprobs=config.max_logprobs,
             seed=config.seed,
+            eos_token_ids=tuple(config.model.eos_token_ids),
+        )
+        self.grammar = GrammarRows(
+            load_tokenizer(config.model).to_str(),
+            arch.vocab_size,
+            tuple(config.model.eos_token_ids),
+            config.max_num_seqs,
+            self.device,
         )
         self.num_logprobs = np.full(config.max_num_seqs, -1, dtype=np.int64)  # -1: not asked
+        # prompt logprobs: per slot, positions below this are scored (0: not asked), top k,
+        # and the prompt ids (the targets)
+        self.scored_until = np.zeros(config.max_num_seqs, dtype=np.int64)
+        self.prompt_top = np.zeros(config.max_num_seqs, dtype=np.int64)
+        self.prompt_ids: dict[int, np.ndarray] = {}
         self.last_seq = 0
 
     def make_attention(self):
@@ -133,17 +153,29 @@ class ModelRunner:
         for slot in plan.freed_slots:
             self.batch.remove(slot)
             self.sampler.remove(slot)
+            self.scored_until[slot] = 0
+            self.prompt_ids.pop(slot, None)
+            self.grammar.remove(slot)
         for new in plan.new_slots:
             self.batch.add(new.slot)
             self.sampler.add(new.slot, new.params, new.num_prompt_tokens)
             if new.cached_ids:
                 self.sampler.record_cached(new.slot, new.cached_ids)
+            self.grammar.add(new.slot, new.params.grammar, new.num_prompt_tokens)
             lp = new.params.logprobs
             self.num_logprobs[new.slot] = -1 if lp is None else min(lp, self.config.max_logprobs)
+            if new.params.prompt_logprobs is not None and new.prompt_token_ids:
+                self.prompt_ids[new.slot] = np.asarray(new.prompt_token_ids, np.int64)
+                self.scored_until[new.slot] = len(new.prompt_token_ids)
+                self.prompt_top[new.slot] = min(
+                    new.params.prompt_logprobs, self.config.max_logprobs
+                )
 
     def prepare(self, plan: StepPlan) -> tuple[StepInputs, AttentionMeta]:
         """Host work: the static table (not yet uploaded) and the attention plan."""
-        inp = self.batch.prepare(plan, pad=self.use_graphs)
+        self.grammar.feed_plan(plan)
+        scored = self.scored_until if self.prompt_ids else None
+        inp = self.batch.prepare(plan, pad=self.use_graphs, scored_until=scored)
         meta = self.attn.build(inp.layout, self.batch.column(SLOT_MAPPING, inp.num_rows))
         return inp, meta
 
@@ -159,11 +191,45 @@ class ModelRunner:
         return self.model(input_ids, positions, self.kv_cache, meta, logit_rows)
 
     def run_model(self, inp: StepInputs, meta: AttentionMeta) -> torch.Tensor:
-        """[B_s, vocab] float32 logits of the sampling entries, in entry order."""
+        """[B_s + P, vocab] float32 logits of the sampling entries in entry order, then of the
+        P prompt rows scored for prompt logprobs."""
         self.batch.upload(inp)
+        num_logits = inp.num_sample + inp.num_scored
         if inp.padded:
-            return self.graphs.run(inp.num_rows, meta)[: inp.num_sample]
-        return self.forward(inp.num_rows, meta, inp.num_sample)
+            return self.graphs.run(inp.num_rows, meta)[:num_logits]
+        return self.forward(inp.num_rows, meta, num_logits)
+
+    def score_prompt(self, inp: StepInputs, logits: torch.Tensor) -> list[PromptLogprobs]:
+        """Prompt logprobs of the scored rows (logits [P, V]), one PromptLogprobs per run of
+        consecutive rows of a slot. Host lists: this waits for the device."""
+        if not inp.num_scored:
+            return []
+        assert inp.scored_slots_host is not None and inp.scored_positions_host is not None
+        slots, positions = inp.scored_slots_host, inp.scored_positions_host
+        targets = np.asarray(
+            [self.prompt_ids[s][p] for s, p in zip(slots, positions, strict=True)], np.int64
+        )
+        k = int(self.prompt_top[slots].max())
+        lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # [P, 1]
+        target = torch.from_numpy(targets).to(logits.device)[:, None]
+        chosen = (logits.gather(1, target) - lse).squeeze(1).tolist()
+        top_vals, top_ids = logits.topk(k, dim=-1) if k else (lse[:, :0], lse[:, :0].long())
+        top_lp, top_id = (top_vals - lse).tolist(), top_ids.tolist()
+        out: list[PromptLogprobs] = []
+        for j in range(len(slots)):
+            slot, kk = int(slots[j]), int(self.prompt_top[slots[j]])
+            lp = SampleLogprobs(chosen[j], top_id[j][:kk], top_lp[j][:kk])
+            last = out[-1] if out else None
+            if (
+                last is not None
+                and last.slot == slot
+                and last.start + len(last.token_ids) == positions[j]
+            ):
+                last.token_ids.append(int(targets[j]))
+                last.logprobs.append(lp)
+            else:
+                out.append(PromptLogprobs(slot, int(positions[j]), [int(targets[j])], [lp]))
+        return out
 
     def sample(self, inp: StepInputs, logits: torch.Tensor) -> SampleOutput:
         """Sample, write last_token, and count the step's tokens for penalties; no host sync."""
@@ -175,9 +241,13 @@ class ModelRunner:
         slots = col(SAMPLE_SLOTS, inp.num_sample)
         positions = col(SAMPLE_POSITIONS, inp.num_sample)
         host = inp.sample_slots_host
-        out = self.sampler.sample(logits, slots, positions, host)
+        constrain = None
+        if self.grammar.any_in(host):
+            constrain = lambda x, inplace: self.grammar.apply(x, host, inplace)  # noqa: E731
+        out = self.sampler.sample(logits, slots, positions, host, constrain)
         self.batch.last_token[slots] = out.token_ids
         self.sampler.record(slots, positions, out.token_ids, host)
+        self.grammar.remember(host, out.token_ids)
         return out
 
     @torch.inference_mode()
@@ -194,8 +264,9 @@ class ModelRunner:
         launched = time.perf_counter()
         logits = self.run_model(inp, meta)
         forwarded = time.perf_counter()
-        out = self.sample(inp, logits)
+        out = self.sample(inp, logits[: inp.num_sample])
         result = step_result(plan.seq, out, self.num_logprobs[inp.sample_slots_host])
+        result.prompt_logprobs = self.score_prompt(inp, logits[inp.num_sample :])
         device_end = time.perf_counter()
         result.timing = StepTiming(
             plan_received=received,

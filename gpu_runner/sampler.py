@@ -8,12 +8,14 @@ samples the same tokens whatever batch or slot it lands in, with no per-row gene
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from gapless.core.common.messages import SamplingParams
+from gapless.gpu_runner.logit_rules import LogitRules
 
 # columns of the float parameter table
 _TEMP, _TOP_P, _MIN_P, _PRES, _FREQ, _REP = range(6)
@@ -118,6 +120,7 @@ class SamplerState:
         device: torch.device | str,
         max_logprobs: int = 20,
         seed: int = 0,
+        eos_token_ids: tuple[int, ...] = (),
     ) -> None:
         self.max_slots = max_slots
         self.vocab_size = vocab_size
@@ -143,6 +146,7 @@ class SamplerState:
         gen = torch.Generator().manual_seed(seed)
         self._base_seed = int(torch.randint(-(2**62), 2**62, (1,), generator=gen))
         self._step = torch.zeros(1, dtype=torch.int64, device=self.device)  # sample() calls
+        self.rules = LogitRules(max_slots, vocab_size, self.device, eos_token_ids)
 
     # ------------------------------------------------------------------ slot lifecycle
 
@@ -169,6 +173,7 @@ class SamplerState:
             or params.frequency_penalty != 0.0
         )
         self._has_penalty[slot] = penalty
+        self.rules.add(slot, params)
         self._active[slot] = True
         self._dirty = True
         if penalty:  # counters of slots without penalties are never read
@@ -180,6 +185,7 @@ class SamplerState:
         self._active[slot] = False
         self._has_penalty[slot] = False
         self._num_logprobs[slot] = -1
+        self.rules.remove(slot)
 
     def _push(self) -> None:
         """Upload the parameter tables if a slot changed since the last upload."""
@@ -232,7 +238,10 @@ class SamplerState:
         Positions below the slot's num_prompt_tokens are prompt (repetition penalty only); the
         rest are output, which is how a recomputed prefill after preemption stays correct.
         """
-        if not self._has_penalty[self._batch_index(host_slots)].any():
+        index = self._batch_index(host_slots)
+        if host_slots is not None:
+            self.rules.record(index, slots, positions, token_ids)
+        if not self._has_penalty[index].any():
             return
         self._push()
         flat = slots * self.vocab_size + token_ids  # [N] int64
@@ -266,8 +275,12 @@ class SamplerState:
         slots: torch.Tensor,
         positions: torch.Tensor,
         host_slots: np.ndarray | list[int] | None = None,
+        constrain: Callable[[torch.Tensor, bool], torch.Tensor] | None = None,
     ) -> SampleOutput:
         """One token per row. logits [B, V]; slots, positions [B] int64 on device.
+        constrain(x, inplace) (the grammar masks) limits the logits sampled from, as the logit
+        rules do; logprobs stay the model's (so the raw logits are changed in place only when
+        no row asks for logprobs: a [B, V] copy per step is what the other rows would pay).
 
         positions holds the position the new token will take (its sequence length so far);
         seeded rows hash (seed, position), so a recomputed request repeats its tokens.
@@ -277,15 +290,29 @@ class SamplerState:
         self._push()
         flags = self.flags(host_slots)
         logits = logits.float()
+        adjusted = logits
+        inplace = flags.max_logprobs < 0
+        if host_slots is not None:
+            num_prompt = self._iparams_dev[slots, _NUM_PROMPT]
+            host = np.asarray(host_slots)
+            adjusted = self.rules.apply(logits, host, positions, num_prompt, inplace)
+        if constrain is not None:
+            adjusted = constrain(adjusted, inplace or adjusted is not logits)
         step = self._step.add_(1)  # [1] int64; in place so graph replays advance it
         batch = logits.shape[0]
         rows = _CPU_BLOCK_ELEMENTS // self.vocab_size if logits.device.type == "cpu" else batch
         if batch <= max(rows, 1):
-            return self._sample_rows(logits, slots, positions, step, 0, flags)
+            return self._sample_rows(logits, adjusted, slots, positions, step, 0, flags)
         # why: on CPU, [rows, V] temporaries that fit in cache beat [B, V] ones several times
         parts = [
             self._sample_rows(
-                logits[i : i + rows], slots[i : i + rows], positions[i : i + rows], step, i, flags
+                logits[i : i + rows],
+                adjusted[i : i + rows],
+                slots[i : i + rows],
+                positions[i : i + rows],
+                step,
+                i,
+                flags,
             )
             for i in range(0, batch, rows)
         ]
@@ -299,14 +326,16 @@ class SamplerState:
     def _sample_rows(
         self,
         logits: torch.Tensor,
+        adjusted: torch.Tensor,
         slots: torch.Tensor,
         positions: torch.Tensor,
         step: torch.Tensor,
         row0: int,
         flags: BatchFlags,
     ) -> SampleOutput:
-        """sample() over rows row0.. of the batch; rows are independent of each other."""
-        x = self.penalized_logits(logits, slots) if flags.any_penalty else logits
+        """sample() over rows row0.. of the batch; rows are independent of each other.
+        Sampling reads `adjusted` (the request's logit rules applied); logprobs read `logits`."""
+        x = self.penalized_logits(adjusted, slots) if flags.any_penalty else adjusted
         if flags.all_greedy:
             token_ids = _argmax(x)
         else:

@@ -14,10 +14,12 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from gapless.core.common.config import EngineConfig
 from gapless.core.common.messages import SampleLogprobs, StepPlan, StepResult, StepTiming
 from gapless.core.common.model_files import load_tokenizer
+from gapless.gpu_runner.grammar import GrammarRows
 from gapless.gpu_runner.logprobs import row_logprobs
 from gapless.gpu_runner.sim_profiles import get_profile, num_kv_blocks, step_time
 
@@ -71,6 +73,15 @@ class SimBackend:
         self.rank_logprobs = -np.log(2.0) * np.arange(1, k + 1)
         self.device_free_at = 0.0
         self.last_seq = 0
+        # constrained rows run their real grammar masks on the host (their CPU cost is real);
+        # the token is a random one the grammar allows, so a constrained stream stays valid
+        self.grammar = GrammarRows(
+            load_tokenizer(config.model).to_str(),
+            config.model.vocab_size,
+            tuple(config.model.eos_token_ids),
+            slots,
+            torch.device("cpu"),
+        )
 
     # ------------------------------------------------------------------ the Backend contract
 
@@ -84,6 +95,8 @@ class SimBackend:
             return SimStep(plan.seq, none, none, received, received, received, received, received)
         num_tokens, num_prefill, total_context, attended, sample_slots = self._prepare(plan)
         token_ids = self.vocab[self.rng.integers(0, len(self.vocab), len(sample_slots))]
+        if self.grammar.any_in(sample_slots):
+            token_ids = self._constrain(sample_slots, token_ids)
         t_step = self.config.sim_time_scale * step_time(
             self.profile, num_tokens, len(plan.slots), total_context, num_prefill, attended
         )
@@ -119,12 +132,27 @@ class SimBackend:
 
     # ------------------------------------------------------------------ host-side work
 
+    def _constrain(self, sample_slots: np.ndarray, token_ids: np.ndarray) -> np.ndarray:
+        """Constrained rows draw uniformly among the ids their grammar allows next."""
+        noise = torch.from_numpy(
+            self.rng.random((len(sample_slots), self.config.model.vocab_size), dtype=np.float32)
+        )
+        allowed = self.grammar.apply(noise, sample_slots).argmax(dim=-1)  # [B_s]
+        rows = np.flatnonzero(self.grammar.constrained[sample_slots])
+        token_ids = token_ids.copy()
+        token_ids[rows] = allowed.numpy()[rows]
+        self.grammar.remember(sample_slots, torch.from_numpy(token_ids))
+        return token_ids
+
     def _apply_slots(self, plan: StepPlan) -> None:
         freed = np.asarray(plan.freed_slots, dtype=np.int64)
         assert self.active[freed].all(), "plan frees a slot that is not in use"
         self.active[freed] = False
         self.num_logprobs[freed] = -1
+        for slot in freed.tolist():
+            self.grammar.remove(slot)
         for new in plan.new_slots:
+            self.grammar.add(new.slot, new.params.grammar, new.num_prompt_tokens)
             assert not self.active[new.slot], f"slot {new.slot} added twice"
             self.active[new.slot] = True
             self.num_slot_blocks[new.slot] = 0
@@ -132,6 +160,10 @@ class SimBackend:
             self.num_logprobs[new.slot] = -1 if lp is None else min(lp, self.config.max_logprobs)
 
     def _prepare(self, plan: StepPlan) -> tuple[int, int, int, int, np.ndarray]:
+        self.grammar.feed_plan(plan)
+        return self._prepare_inputs(plan)
+
+    def _prepare_inputs(self, plan: StepPlan) -> tuple[int, int, int, int, np.ndarray]:
         """Block tables and per-token cache rows, as a real runner builds its inputs.
 
         Returns (tokens, prompt tokens, sum of contexts, sum of keys attended, sampling slots).

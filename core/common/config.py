@@ -13,6 +13,7 @@ DType = Literal["bfloat16", "float32", "float16"]
 SchedulingPolicy = Literal["fair", "priority", "fcfs"]
 LogLevel = Literal["debug", "info", "warning", "error"]
 LogFormat = Literal["text", "json"]
+ToolCallParser = Literal["hermes"]
 NOT_A_FLAG = msgspec.Meta(extra={"flag": False})  # a field `gapless serve` has no flag for
 
 # a request's priority: lower runs sooner (vLLM's convention); names are aliases
@@ -247,6 +248,24 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             extra={"flag": "sse-keepalive", "metavar": "S"},
         ),
     ] = 15.0
+    max_prompts: Annotated[
+        int,
+        msgspec.Meta(description="most prompts one /v1/completions request may batch", ge=1),
+    ] = 64
+    tool_call_parser: Annotated[
+        ToolCallParser,
+        msgspec.Meta(
+            description="how tool calls are read from generated text (tool_choice auto); "
+            "hermes = <tool_call>{...}</tool_call>"
+        ),
+    ] = "hermes"
+    chat_template: Annotated[
+        str | None,
+        msgspec.Meta(
+            description="a jinja chat template file used instead of the model's",
+            extra={"metavar": "FILE"},
+        ),
+    ] = None
     max_body_bytes: Annotated[int, NOT_A_FLAG] = 4 * 2**20
     max_head_bytes: Annotated[int, NOT_A_FLAG] = 64 * 2**10  # request line + headers; 431 past it
     max_stop_strings: Annotated[int, NOT_A_FLAG] = 16

@@ -48,6 +48,15 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     stop: tuple[str, ...] = ()
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    min_tokens: int = 0  # EOS and stop token ids are masked until this many outputs
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias added to its logit)
+    allowed_token_ids: tuple[int, ...] | None = None  # None: every id; else only these
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()  # token sequences never completed
+    # None: none; k: each prompt token after the first with its logprob and the top k
+    prompt_logprobs: int | None = None
+    # an llguidance grammar (the frontend compiles response_format and tool schemas to it and
+    # checks it); sampling is limited to what it allows next
+    grammar: str | None = None
 
 
 # ---------------------------------------------------------------- frontend/detokenizer -> core
@@ -117,6 +126,7 @@ class NewSlot(_Msg):
     # ids at the positions the prefix cache already holds (never fed), sent only when the
     # request has penalties: the sampler must count every token of the sequence
     cached_ids: list[int] = []
+    prompt_token_ids: list[int] = []  # only with params.prompt_logprobs: the tokens to score
 
 
 class StepPlan(_Msg):
@@ -166,12 +176,24 @@ class SampleLogprobs(msgspec.Struct, array_like=True, gc=False):
     top_logprobs: list[float] = []
 
 
+class PromptLogprobs(msgspec.Struct, array_like=True, gc=False):
+    """Logprobs of the prompt tokens at positions start .. start + len(token_ids) - 1, each
+    given the tokens before it (position 0 has none). From the runner, one per prompt chunk of a
+    slot that asked; the core joins a request's chunks and sends them whole, slot -1."""
+
+    slot: int
+    start: int
+    token_ids: list[int]
+    logprobs: list[SampleLogprobs]
+
+
 class StepResult(_Msg):
     seq: int
     token_ids: list[int]  # one per entry with sample=True, in entry order
     # same order as token_ids, None for rows that asked none; empty when no row asked
     logprobs: list[SampleLogprobs | None] = []
     timing: StepTiming | None = None
+    prompt_logprobs: list[PromptLogprobs] = []  # chunks of slots that asked, in entry order
 
 
 class RunnerReady(_Msg):
@@ -212,6 +234,8 @@ class TokenBatch(_Msg):
     # per entry, the prompt tokens its request found in the prefix cache; empty unless an entry
     # ends here (only the last delta of a request reports it)
     num_cached_tokens: list[int] = []
+    # per entry: the request's prompt logprobs, sent with its first token; empty when none
+    prompt_logprobs: list[PromptLogprobs | None] = []
 
 
 DetokInput = DetokNew | TokenBatch | Shutdown
@@ -244,6 +268,7 @@ class TextDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     error: str | None = None
     code: str | None = None  # with error: "queue_timeout" (the client's load), else an engine fault
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache; set on the last delta
+    prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens after the first; first delta
 
 
 class TextDeltas(_Msg):

@@ -41,6 +41,7 @@ class FakeEngine(EngineClient):
         # when set: requests that `held` picks stay queued, sending nothing until it is set
         self.hold: asyncio.Event | None = None
         self.held: Callable[[str], bool] = lambda request_id: True
+        self.script: list[str] | None = None  # when set: the deltas' texts, then "stop"
         self._tasks: dict[str, asyncio.Task[None]] = {}
 
     def _receive(self, msg: CoreInput) -> None:
@@ -87,6 +88,12 @@ class FakeEngine(EngineClient):
         self.dispatch(TextDeltas([delta]))
 
     async def _answer(self, req: AddRequest) -> None:
+        if self.script is not None:
+            for i, text in enumerate(self.script):
+                finish = "stop" if i + 1 == len(self.script) else None
+                delta = TextDelta(req.request_id, text, [100 + i], 1, i + 1, finish)
+                self.dispatch(TextDeltas([delta]))
+            return
         words = self.tokenizer.decode(req.prompt_token_ids, skip_special_tokens=True).split()
         words = words or ["empty"]
         params = req.params
@@ -117,6 +124,11 @@ class FakeEngine(EngineClient):
             )
             if finish is not None:
                 delta.num_cached_tokens = self.cached_tokens
+            if i == 0 and params.prompt_logprobs is not None:  # each prompt token scores -0.25
+                delta.prompt_logprobs = [
+                    TokenLogprob(self.tokenizer.decode([t]), -0.25, t, [])
+                    for t in req.prompt_token_ids[1:]
+                ]
             self.dispatch(TextDeltas([delta]))
             if finish is not None:
                 return

@@ -18,8 +18,9 @@ COMPLETION_CASES: list[tuple[Any, int, str | None]] = [
     ({"prompt": 5}, 400, "prompt"),
     ({"prompt": ""}, 400, "prompt"),
     ({"prompt": []}, 400, "prompt"),
-    ({"prompt": ["a", "b"]}, 400, "prompt"),
-    ({"prompt": [[1], [2]]}, 400, "prompt"),
+    ({"prompt": ["a", ""]}, 400, "prompt"),
+    ({"prompt": [[1], []]}, 400, "prompt"),
+    ({"prompt": ["a"] * 65}, 400, "prompt"),
     ({"prompt": [1, "a"]}, 400, "prompt"),
     ({"prompt": [49152]}, 400, "prompt"),
     ({"prompt": [-1]}, 400, "prompt"),
@@ -57,7 +58,19 @@ COMPLETION_CASES: list[tuple[Any, int, str | None]] = [
     ({"prompt": "hi", "priority": True}, 400, "priority"),
     ({"prompt": "hi", "priority": ["batch"]}, 400, "priority"),
     ({"prompt": "hi", "user": "a\u0007b"}, 400, "user"),
-    ({"prompt": "hi", "echo": True}, 400, "echo"),
+    ({"prompt": "hi", "best_of": 2}, 400, "best_of"),
+    ({"prompt": "hi", "n": 2, "best_of": 3}, 400, "best_of"),
+    ({"prompt": "hi", "suffix": "end"}, 400, "suffix"),
+    ({"prompt": "hi", "logit_bias": {"x": 1}}, 400, "logit_bias"),
+    ({"prompt": "hi", "logit_bias": {"49152": 1}}, 400, "logit_bias"),
+    ({"prompt": "hi", "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ({"prompt": "hi", "logit_bias": {"5": "a"}}, 400, "logit_bias[...]"),
+    ({"prompt": "hi", "min_tokens": -1}, 400, "min_tokens"),
+    ({"prompt": "hi", "min_tokens": 17}, 400, "min_tokens"),
+    ({"prompt": "hi", "max_tokens": 4, "min_tokens": 5}, 400, "min_tokens"),
+    ({"prompt": "hi", "allowed_token_ids": []}, 400, "allowed_token_ids"),
+    ({"prompt": "hi", "allowed_token_ids": [49152]}, 400, "allowed_token_ids"),
+    ({"prompt": "hi", "bad_words": [" "]}, 400, "bad_words"),
     ({"prompt": "hi", "user": "u" * 300}, 400, "user"),
     ({"prompt": "hi", "model": "gpt-4"}, 404, "model"),
     ([1, 2], 400, None),
@@ -86,6 +99,17 @@ CHAT_CASES: list[tuple[Any, int, str | None]] = [
     ({"messages": USER, "priority": 2000}, 400, "priority"),
     ({"messages": USER, "user": "u\n"}, 400, "user"),
     ({"messages": USER, "model": "nope"}, 404, "model"),
+    ({"messages": USER, "audio": {"voice": "alloy", "format": "wav"}}, 400, "audio"),
+    ({"messages": USER, "modalities": ["text", "audio"]}, 400, "modalities"),
+    ({"messages": USER, "prediction": {"type": "content", "content": "x"}}, 400, "prediction"),
+    ({"messages": USER, "functions": [{"name": "f"}]}, 400, "functions"),
+    ({"messages": USER, "function_call": "auto"}, 400, "function_call"),
+    ({"messages": USER, "reasoning_effort": "high"}, 400, "reasoning_effort"),
+    ({"messages": USER, "verbosity": "low"}, 400, "verbosity"),
+    ({"messages": USER, "web_search_options": {}}, 400, "web_search_options"),
+    ({"messages": USER, "moderation": {"policy": {}}}, 400, "moderation"),
+    ({"messages": USER, "logit_bias": {"-1": 5}}, 400, "logit_bias"),
+    ({"messages": USER, "max_tokens": 3, "min_tokens": 4}, 400, "min_tokens"),
 ]
 
 
@@ -193,7 +217,7 @@ async def test_internal_error_is_500_for_that_request_only(
     async def broken(prompt):
         raise RuntimeError("bug")
 
-    monkeypatch.setattr(app.state.prompter, "completion_ids", broken)
+    monkeypatch.setattr(app.state.prompter, "completion_prompts", broken)
     r = await client.post("/v1/completions", json={"prompt": "a"})
     assert _check_error(r, 500, None)["code"] == "internal_error"
     monkeypatch.undo()

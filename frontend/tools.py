@@ -1,0 +1,171 @@
+"""Tools in a chat request: what the template is given, the grammar that forces a call, and
+whether the answer is read for calls.
+
+tool_choice:
+- `none` (the default without tools): tools are not offered; the answer is plain content;
+- `auto` (the default with tools): tools are offered; the `--tool-call-parser` reads calls out of
+  the answer;
+- `required` / a named function: the answer is constrained by a grammar to one call (or several,
+  one per line, with parallel_tool_calls) in the Hermes format, whose arguments follow the
+  function's parameters schema; it is read back with the Hermes parser.
+
+A template that renders `tools` itself gets them as Hugging Face passes them. Otherwise (the
+default model's template has no tools) the fallback below is used: the tools are described in
+the system message with how to call them, past calls are written into the assistant messages
+in the same format, and tool results go back as user messages wrapped in `<tool_response>`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from gapless.frontend.errors import bad_request
+from gapless.frontend.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, Tool
+from gapless.frontend.structured import Grammars
+
+FALLBACK_PROMPT = """You can call functions to help answer. To call one, write
+<tool_call>{{"name": "FUNCTION NAME", "arguments": {{ARGUMENTS AS A JSON OBJECT}}}}</tool_call>
+{how_many} The result of a call comes back to you inside <tool_response></tool_response>. When no function helps, answer in plain text.
+The functions, one JSON description per line:
+<tools>
+{tools}
+</tools>"""
+ONE_CALL = "Make at most one call per answer."
+MANY_CALLS = "Several calls may follow one another, one per line."
+
+
+@dataclass
+class ToolPlan:
+    offered: list[dict[str, Any]] | None  # the tools as the template sees them; None: not offered
+    grammar: str | None  # forces a call (required, named)
+    read_calls: bool  # read the answer for calls
+
+
+async def plan_tools(body: ChatCompletionRequest, grammars: Grammars) -> ToolPlan:
+    tools, choice = body.tools or [], body.tool_choice
+    names = [t.function.name for t in tools]
+    if len(set(names)) != len(names):
+        raise bad_request("tools hold two functions with the same name", param="tools")
+    if choice is None:
+        choice = "auto" if tools else "none"
+    if choice == "none":
+        return ToolPlan(None, None, False)
+    if not tools:
+        raise bad_request(f"tool_choice {_choice_name(choice)} needs tools", param="tool_choice")
+    offered = [_tool_dict(t) for t in tools]
+    if choice == "auto":
+        return ToolPlan(offered, None, True)
+    forced = tools
+    if isinstance(choice, NamedToolChoice):
+        forced = [t for t in tools if t.function.name == choice.function.name]
+        if not forced:
+            raise bad_request(
+                f"tool_choice names {choice.function.name!r}, which is not among the tools",
+                param="tool_choice.function.name",
+            )
+    parallel = body.parallel_tool_calls is not False and not isinstance(choice, NamedToolChoice)
+    grammar = await grammars.checked(_calls_grammar(forced, parallel), "tools")
+    return ToolPlan(offered, grammar, True)
+
+
+def _choice_name(choice: object) -> str:
+    return choice if isinstance(choice, str) else "with a named function"
+
+
+def _tool_dict(tool: Tool) -> dict[str, Any]:
+    f = tool.function
+    function: dict[str, Any] = {"name": f.name}
+    if f.description is not None:
+        function["description"] = f.description
+    function["parameters"] = f.parameters if f.parameters is not None else {"type": "object"}
+    return {"type": "function", "function": function}
+
+
+def _calls_grammar(tools: list[Tool], parallel: bool) -> str:
+    """A Lark grammar (llguidance) for Hermes-format calls of these tools, compact JSON."""
+    import llguidance
+
+    options = {"whitespace_flexible": False, "lenient": not all(t.function.strict for t in tools)}
+    one_of = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": t.function.name},
+                "arguments": t.function.parameters or {"type": "object"},
+            },
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for t in tools
+    ]
+    schema = {"anyOf": one_of, "x-guidance": options}
+    start = 'start: call ("\\n" call)*' if parallel else "start: call"
+    lark = f'{start}\ncall: "<tool_call>" args "</tool_call>"\nargs: %json {json.dumps(schema)}\n'
+    return llguidance.LLMatcher.grammar_from_lark(lark)
+
+
+def template_messages(
+    messages: list[ChatMessage], plan: ToolPlan, takes_tools: bool, parallel: bool
+) -> list[dict[str, Any]]:
+    """The messages as the template sees them (dicts), with the fallback applied when the
+    template does not render tools itself."""
+    out = [_message_dict(m, takes_tools) for m in messages]
+    if takes_tools or plan.offered is None:
+        return out
+    lines = "\n".join(json.dumps(t["function"], ensure_ascii=False) for t in plan.offered)
+    prompt = FALLBACK_PROMPT.format(how_many=MANY_CALLS if parallel else ONE_CALL, tools=lines)
+    if out and out[0]["role"] == "system":
+        out[0]["content"] = f"{out[0]['content']}\n\n{prompt}"
+    else:
+        out.insert(0, {"role": "system", "content": prompt})
+    return out
+
+
+def _message_dict(message: ChatMessage, takes_tools: bool) -> dict[str, Any]:
+    content = message.content
+    if content is None:
+        content = ""
+    elif not isinstance(content, str):
+        content = "\n".join(part.text for part in content)
+    role = "system" if message.role == "developer" else message.role
+    out: dict[str, Any] = {"role": role, "content": content}
+    if message.name is not None:
+        out["name"] = message.name
+    calls = message.tool_calls or []
+    if takes_tools:
+        if message.tool_call_id is not None:
+            out["tool_call_id"] = message.tool_call_id
+        if calls:
+            out["tool_calls"] = [
+                {
+                    "id": c.id,
+                    "type": "function",
+                    "function": {"name": c.function.name, "arguments": _arguments(c.function)},
+                }
+                for c in calls
+            ]
+        return out
+    if calls:  # the fallback: calls written as the model is asked to write them
+        written = [
+            "<tool_call>"
+            + json.dumps(
+                {"name": c.function.name, "arguments": _arguments(c.function)},
+                ensure_ascii=False,
+            )
+            + "</tool_call>"
+            for c in calls
+        ]
+        out["content"] = "\n".join([content, *written] if content else written)
+    if role == "tool":
+        out = {"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"}
+    return out
+
+
+def _arguments(function: Any) -> Any:
+    """Arguments as an object for the template (they travel as JSON text)."""
+    try:
+        return json.loads(function.arguments)
+    except ValueError:
+        return function.arguments

@@ -1,0 +1,186 @@
+"""Tools: tool_choice plans, the Hermes parser (whole and streamed), the fallback prompt, and
+answers shaped as tool_calls."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import llguidance
+import pytest
+
+from gapless.core.common.grammars import make_tokenizer
+from gapless.frontend.tool_parsers import HermesParser
+from tests.frontend.conftest import sse_events
+
+pytestmark = pytest.mark.anyio
+USER = [{"role": "user", "content": "Weather in Paris?"}]
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "the weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+CALL = '<tool_call>{"name":"get_weather","arguments":{"city":"Paris"}}</tool_call>'
+
+
+def accepts(grammar: str, text: str, tokenizer) -> bool:
+    view = make_tokenizer(tokenizer.to_str(), 49152, (2,))
+    matcher = llguidance.LLMatcher(view, grammar)
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    return all(matcher.consume_token(t) for t in ids) and matcher.consume_token(2)
+
+
+def test_hermes_parse_whole() -> None:
+    parsed = HermesParser().parse(f"Let me check.\n{CALL}\n{CALL.replace('Paris', 'Rome')}")
+    assert parsed.content.strip() == "Let me check."
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.calls] == [
+        ("get_weather", {"city": "Paris"}),
+        ("get_weather", {"city": "Rome"}),
+    ]
+    assert len({c.id for c in parsed.calls}) == 2
+    broken = "<tool_call>{not json}</tool_call>"
+    assert HermesParser().parse(broken).content == broken  # nothing the model wrote is lost
+
+
+@pytest.mark.parametrize("size", [1, 3, 7, 1000])
+def test_hermes_stream_in_pieces_equals_whole(size: int) -> None:
+    text = f"Sure. {CALL} done <tool"
+    reader = HermesParser().reader()
+    content, calls = "", []
+    for i in range(0, len(text), size):
+        got = reader.feed(text[i : i + size])
+        assert "<tool_call" not in got.content  # a tag is never sent as content
+        content += got.content
+        calls += got.calls
+    rest = reader.finish()
+    assert content + rest.content == "Sure.  done <tool"
+    assert [c.name for c in calls + rest.calls] == ["get_weather"]
+
+
+async def test_required_and_named_are_grammars(client: httpx.AsyncClient, engine) -> None:
+    tok = engine.tokenizer
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        r = await client.post(
+            "/v1/chat/completions",
+            json={"messages": USER, "tools": [WEATHER, TIME], "tool_choice": choice},
+        )
+        assert r.status_code == 200, r.text
+    required, named = (a.params.grammar for a in engine.added)
+    assert accepts(required, CALL, tok) and accepts(named, CALL, tok)
+    time_call = '<tool_call>{"name":"get_time","arguments":{}}</tool_call>'
+    assert accepts(required, f"{CALL}\n{time_call}", tok)
+    assert not accepts(named, time_call, tok)
+    assert not accepts(
+        required, '<tool_call>{"name":"get_weather","arguments":{}}</tool_call>', tok
+    )
+    assert not accepts(required, "Paris is sunny.", tok)
+
+
+async def test_parallel_tool_calls_false_allows_one_call(client: httpx.AsyncClient, engine):
+    body = {"messages": USER, "tools": [WEATHER], "tool_choice": "required"}
+    await client.post("/v1/chat/completions", json={**body, "parallel_tool_calls": False})
+    grammar = engine.added[0].params.grammar
+    assert accepts(grammar, CALL, engine.tokenizer)
+    assert not accepts(grammar, f"{CALL}\n{CALL}", engine.tokenizer)
+
+
+async def test_auto_and_none(client: httpx.AsyncClient, engine) -> None:
+    for choice in ("auto", "none"):
+        r = await client.post(
+            "/v1/chat/completions",
+            json={"messages": USER, "tools": [WEATHER], "tool_choice": choice},
+        )
+        assert r.status_code == 200
+    auto, none = engine.added
+    assert auto.params.grammar is None and none.params.grammar is None
+    prompt = engine.tokenizer.decode(auto.prompt_token_ids)
+    assert "get_weather" in prompt and "<tool_call>" in prompt  # the fallback prompt
+    assert "get_weather" not in engine.tokenizer.decode(none.prompt_token_ids)
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
+         "tool_choice.function.name"),
+        ({"tools": [WEATHER, WEATHER]}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "f",
+          "parameters": {"type": "object", "properties": {"a": {"type": "string",
+                                                                  "pattern": "(("}}}}}],
+          "tool_choice": "required"}, "tools"),
+        ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+        ({"tools": [{"type": "retrieval"}]}, "tools[0].type"),
+    ],
+)  # fmt: skip
+async def test_bad_tools_are_400(client: httpx.AsyncClient, engine, body, param) -> None:
+    r = await client.post("/v1/chat/completions", json={"messages": USER, **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+    assert engine.added == []
+
+
+async def test_answer_with_calls_is_tool_calls(client: httpx.AsyncClient, engine) -> None:
+    engine.script = [
+        "Checking. <tool",
+        '_call>{"name":"get_weather",',
+        '"arguments":{"city":"Paris"}}',
+        "</tool_call>",
+    ]
+    body = {"messages": USER, "tools": [WEATHER]}
+    r = await client.post("/v1/chat/completions", json=body)
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["content"] == "Checking. "
+    (call,) = choice["message"]["tool_calls"]
+    assert call["type"] == "function" and call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+    r = await client.post("/v1/chat/completions", json={**body, "stream": True})
+    chunks = [c for c in sse_events(r.text)[:-1]]
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert "".join(d.get("content") or "" for d in deltas) == "Checking. "
+    calls = [tc for d in deltas for tc in d.get("tool_calls", [])]
+    assert len(calls) == 1 and calls[0]["index"] == 0 and calls[0]["id"].startswith("call_")
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+async def test_plain_answer_keeps_stop(client: httpx.AsyncClient, engine) -> None:
+    engine.script = ["It is ", "sunny."]
+    r = await client.post("/v1/chat/completions", json={"messages": USER, "tools": [WEATHER]})
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["message"]["content"] == "It is sunny."
+    assert "tool_calls" not in choice["message"]
+
+
+async def test_tool_round_trip_renders(client: httpx.AsyncClient, engine) -> None:
+    history = [
+        *USER,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C and sunny"},
+    ]
+    r = await client.post("/v1/chat/completions", json={"messages": history, "tools": [WEATHER]})
+    assert r.status_code == 200, r.text
+    prompt = engine.tokenizer.decode(engine.added[0].prompt_token_ids)
+    assert (
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>' in prompt
+    )
+    assert "<tool_response>\n18 C and sunny\n</tool_response>" in prompt
