@@ -63,7 +63,7 @@ def plot(pairs: dict[tuple[str, str], dict[str, dict[str, Any]]], path: Path) ->
 
     keys = [k for k, v in pairs.items() if "on" in v and "off" in v]
     fig, axes = plt.subplots(1, 2, figsize=(max(8, 2.2 * len(keys)), 4.2))
-    labels = [f"{dev}\n{wl}" for dev, wl in keys]
+    labels = [f"{dev.split(',')[0]}\n{wl}" for dev, wl in keys]  # device without "overlap on"
     x = range(len(keys))
     for ax, (title, get) in zip(
         axes,
@@ -79,7 +79,7 @@ def plot(pairs: dict[tuple[str, str], dict[str, dict[str, Any]]], path: Path) ->
         bars = ax.bar(list(x), ratio, color="#4c72b0")
         ax.axhline(1.0, color="grey", lw=0.8, ls="--")
         ax.bar_label(bars, labels=[f"{v:.2f}x" for v in ratio], fontsize=8)
-        ax.set_xticks(list(x), labels, fontsize=7)
+        ax.set_xticks(list(x), labels, fontsize=7, rotation=30, ha="right")
         ax.set_title(title, fontsize=10)
     fig.suptitle("prefix caching on vs off (sim figures are simulated, not a GPU)", fontsize=10)
     return _save(fig, path)

@@ -90,7 +90,10 @@ if [ "$what" = prefix ] || [ "$what" = all ]; then
     cache_run cpu "$state" prefix:1024:16-64:16 16 --max-num-batched-tokens 2048
     cache_run cpu "$state" chat:4:4:64:32:0.5 1 --max-num-batched-tokens 2048
   done
-  .venv/bin/python -m gapless.bench.cache_report "$OUT"/prefix/*.json \
+  # the 1,024-token check: the second request shares the first's prefix
+  $G bench --launch --workload prefix:1024:16:16 --num-requests 2 --max-concurrency 1 \
+    --no-progress --output-json "$OUT/prefix/cpu-ttft-2x1024.json" -- --max-num-batched-tokens 2048
+  .venv/bin/python -m gapless.bench.cache_report "$OUT"/prefix/*-on.json "$OUT"/prefix/*-off.json \
     --plot "$OUT/prefix/prefix_cache.png"
 fi
 

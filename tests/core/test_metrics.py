@@ -175,9 +175,20 @@ def test_idle_fraction_forgets_old_steps() -> None:
 def test_queue_gauges_and_preemptions() -> None:
     registry = CollectorRegistry()
     m = CoreMetrics(registry)
-    blocks = SimpleNamespace(num_free=90, num_usable=100)
-    sched = SimpleNamespace(running=[1, 2], num_waiting=1, blocks=blocks, num_preemptions=0)
+    blocks = SimpleNamespace(num_free=90, num_usable=100, num_evictions=0, num_cached_free=4)
+    sched = SimpleNamespace(
+        running=[1, 2],
+        num_waiting=1,
+        blocks=blocks,
+        num_preemptions=0,
+        num_queried_tokens=100,
+        num_hit_tokens=25,
+    )
     m.observe_queues(sched)  # type: ignore[arg-type]
+    assert _value(registry, "gapless_prefix_cache_queried_tokens_total") == 100
+    assert _value(registry, "gapless_prefix_cache_hit_tokens_total") == 25
+    assert _value(registry, "gapless_prefix_cache_hit_rate") == 0.25
+    assert _value(registry, "gapless_kv_blocks_cached") == 4
     assert _value(registry, "gapless_requests_running") == 2
     assert _value(registry, "gapless_requests_waiting") == 1
     assert _value(registry, "gapless_kv_blocks_used") == 10
@@ -188,6 +199,11 @@ def test_queue_gauges_and_preemptions() -> None:
     assert _value(registry, "gapless_requests_running") == 0
     assert _value(registry, "gapless_kv_blocks_used") == 0
     assert _value(registry, "gapless_preemptions_total") == 3
+    sched.num_queried_tokens, sched.num_hit_tokens, blocks.num_evictions = 300, 225, 7
+    m.observe_queues(sched)  # type: ignore[arg-type]
+    assert _value(registry, "gapless_prefix_cache_hit_tokens_total") == 225
+    assert _value(registry, "gapless_prefix_cache_hit_rate") == 0.75, "over the last 60 s"
+    assert _value(registry, "gapless_prefix_cache_evictions_total") == 7
 
 
 _WRITER = """

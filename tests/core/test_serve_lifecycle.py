@@ -83,10 +83,11 @@ def test_api_key_and_disconnect_frees_kv(tiny_model_dir):
             time.sleep(0.05)
         after = _stats(s, auth)
         assert after["num_free_blocks"] == idle["num_free_blocks"] and after["num_running"] == 0
-        # the aborted request's full prompt blocks stay cached, free for anyone to take
+        # whatever full blocks the aborted request left stay cached, held by nobody
         assert idle["prefix_cache"]["num_cached_blocks"] == 0
-        assert after["prefix_cache"]["num_cached_free_blocks"] > 0
-        assert after["prefix_cache"]["queried_tokens"] > 0
+        cache = after["prefix_cache"]
+        assert cache["num_cached_free_blocks"] == cache["num_cached_blocks"]
+        assert cache["queried_tokens"] > 0
     finally:
         assert s.stop() == 0, s.read_log()
 
