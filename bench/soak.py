@@ -100,7 +100,7 @@ async def _one(client: httpx.AsyncClient, tally: Tally, rng: random.Random, canc
                 if line == "data: [DONE]":
                     tally.completed += 1
                     return "done"
-                if '"error"' in line:
+                if line.startswith('data: {"error"'):  # an error event, not a token's text
                     tally.error(line)
                     return "error"
                 events += 1
@@ -170,7 +170,6 @@ def main(argv: list[str] | None = None) -> int:
     serve = [sys.executable, "-m", "gapless.core.launch.cli", "serve", "--port", str(port),
              "--device", "sim", "--served-model-name", "soak", "--max-num-seqs",
              str(args.max_num_seqs), "--log-level", "warning", *args.serve_args]  # fmt: skip
-    shm_before = {p.name for p in Path("/dev/shm").glob("gapless-*")}
     proc = subprocess.Popen(serve, stdin=subprocess.DEVNULL)
     report: dict = {"device": "sim", "serve": serve[3:]}
     try:
@@ -225,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
         while any(_alive(p) for p in procs.values()) and time.monotonic() < deadline:
             time.sleep(0.1)
         time.sleep(0.5)
-        leftover_shm = sorted({p.name for p in Path("/dev/shm").glob("gapless-*")} - shm_before)
+        run_id = run_dir.name.removeprefix("gapless-")  # other runs on the machine are not ours
+        leftover_shm = sorted(p.name for p in Path("/dev/shm").glob(f"gapless-{run_id}-*"))
         report["kill"] = {
             "role": victim,
             **kill,
