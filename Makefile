@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup model serve test bench lint clean
+.PHONY: setup model serve test bench soak lint clean
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
@@ -28,6 +28,12 @@ test: model
 
 bench: model
 	$(PY) -m pytest tests -k bench --benchmark-enable --benchmark-only $(PYTEST_ARGS)
+
+# a long run near capacity with cancellations on sim, then a killed role (bench/soak.py);
+# SOAK_ARGS='--duration 300' for a shorter one
+SOAK_ARGS ?=
+soak: model
+	$(PY) -m gapless.bench.soak $(SOAK_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .

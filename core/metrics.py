@@ -99,6 +99,11 @@ class CoreMetrics:
             "gapless_kv_blocks_total", "KV cache blocks that requests can hold",
             multiprocess_mode=mode, registry=r,
         )  # fmt: skip
+        self.kv_usage = Gauge(
+            "gapless_kv_cache_usage_ratio",
+            "Share of the KV cache held by requests, 0 to 1 (what inference gateways read)",
+            multiprocess_mode=mode, registry=r,
+        )  # fmt: skip
         self._finished = Counter(
             "gapless_requests_finished",
             "Engine requests (one per choice) that ended, by finish reason",
@@ -161,6 +166,8 @@ class CoreMetrics:
             ["decision"],
             registry=r,
         )
+        for decision in ("aged", "preempt_priority", "preempt_kv"):  # exported at 0 from the start
+            self.decisions.labels(decision)
         # tenant -> its label: configured tenants first, then the first seen, up to the bound
         self._labels = {t: t for t in known_tenants[:MAX_TENANT_LABELS]}
         self._served = (np.zeros(0, np.int64), np.zeros(0, np.int64))  # counted so far
@@ -262,6 +269,8 @@ class CoreMetrics:
         if now == self._queues:
             return
         last, self._queues = self._queues, now
+        if now[2:] != last[2:]:
+            self.kv_usage.set(now[2] / now[3] if now[3] else 0.0)
         for gauge, value, old in zip(
             (self.running, self.waiting, self.blocks_used, self.blocks_total),
             now,

@@ -198,7 +198,9 @@ class App:
     async def _metrics(self, req: HttpRequest, out: Responder, caller: Caller) -> None:
         """Prometheus text format, merged over every process of the engine."""
         # why a thread: rendering reads every process's files
-        text = await asyncio.get_running_loop().run_in_executor(None, core_metrics.render)
+        text = await asyncio.get_running_loop().run_in_executor(
+            None, core_metrics.render, None, self.state.config.served_model_name
+        )
         await out.raw(200, text, CONTENT_TYPE_PLAIN_0_0_4.encode())
 
     async def _openapi_json(self, req: HttpRequest, out: Responder, caller: Caller) -> None:

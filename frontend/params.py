@@ -169,7 +169,8 @@ def sampling_params(
 ) -> SamplingParams:
     """Every range check of the shared sampling fields; max_tokens and logprobs come checked,
     bad_words come tokenized (`Prompter.bad_words_ids`)."""
-    top_k = 0 if req.top_k is None else req.top_k
+    given = config.model.sampling_defaults  # generation_config.json's, for fields left out
+    top_k = int(given.get("top_k", 0)) if req.top_k is None else req.top_k
     if top_k < -1:
         raise bad_request(f"top_k must be -1, 0 (off) or positive, got {top_k}", param="top_k")
     seed = req.seed
@@ -181,15 +182,21 @@ def sampling_params(
         raise bad_request(f"min_tokens must not be negative, got {min_tokens}", param="min_tokens")
     return SamplingParams(
         max_tokens=max_tokens,
-        temperature=_in_range(f(req.temperature, 1.0), 0.0, 2.0, "temperature"),
-        top_p=_in_range(f(req.top_p, 1.0), 0.0, 1.0, "top_p", low_open=True),
+        temperature=_in_range(
+            f(req.temperature, given.get("temperature", 1.0)), 0.0, 2.0, "temperature"
+        ),
+        top_p=_in_range(f(req.top_p, given.get("top_p", 1.0)), 0.0, 1.0, "top_p", low_open=True),
         top_k=0 if top_k == -1 or top_k >= config.model.vocab_size else top_k,
-        min_p=_in_range(f(req.min_p, 0.0), 0.0, 1.0, "min_p"),
+        min_p=_in_range(f(req.min_p, given.get("min_p", 0.0)), 0.0, 1.0, "min_p"),
         seed=seed,
         presence_penalty=_in_range(f(req.presence_penalty, 0.0), -2.0, 2.0, "presence_penalty"),
         frequency_penalty=_in_range(f(req.frequency_penalty, 0.0), -2.0, 2.0, "frequency_penalty"),
         repetition_penalty=_in_range(
-            f(req.repetition_penalty, 1.0), 0.0, 10.0, "repetition_penalty", low_open=True
+            f(req.repetition_penalty, given.get("repetition_penalty", 1.0)),
+            0.0,
+            10.0,
+            "repetition_penalty",
+            low_open=True,
         ),
         logprobs=logprobs,
         ignore_eos=req.ignore_eos,

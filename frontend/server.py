@@ -148,6 +148,7 @@ async def serve(
             # event; uvicorn's cancel, past this, would end them with nothing
             timeout_graceful_shutdown=config.drain_timeout_s + CUT_GRACE_S,  # type: ignore[arg-type]
             log_level="warning",
+            log_config=None,  # why: core.common.logs set logging up for the whole process
         ),
         app.state.admission,
         engine,

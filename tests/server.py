@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -46,6 +47,10 @@ class Server:
             text=True,
         )
         self.log: list[str] = []
+        # why a thread: the server logs a line per request, and a pipe nobody reads fills up
+        # and stops it
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
         deadline = time.monotonic() + startup_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -59,9 +64,15 @@ class Server:
         self.stop()
         raise RuntimeError("gapless serve did not become healthy:\n" + self.read_log())
 
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.log.append(line)
+
     def read_log(self) -> str:
-        if self.proc.poll() is not None and self.proc.stdout:
-            self.log.append(self.proc.stdout.read())
+        """What the server wrote so far (all of it once it exited)."""
+        if self.proc.poll() is not None:
+            self._reader.join(10)
         return "".join(self.log)
 
     def run_dir(self) -> str | None:

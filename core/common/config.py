@@ -54,6 +54,10 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
     bos_token_id: int | None = None
     add_bos_token: bool = False
     chat_template: str | None = None
+    tokenizer: str | None = None  # a directory with tokenizer.json, when not the model's own
+    # generation_config.json's sampling values (temperature, top_p, top_k, min_p,
+    # repetition_penalty): the defaults of a request that leaves the field out
+    sampling_defaults: dict[str, float] = {}
 
 
 class TenantSpec(msgspec.Struct, frozen=True, kw_only=True):

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
@@ -126,12 +128,31 @@ def bad_frames_counter() -> Counter:
     return _bad_frames
 
 
-def render(registry: CollectorRegistry | None = None) -> bytes:
-    """The text exposition: every process's files when multiprocess, else `registry`."""
+class _Labelled:
+    """A collector that adds constant labels to every sample of another registry's families."""
+
+    def __init__(self, source: CollectorRegistry, labels: dict[str, str]) -> None:
+        self.source = source
+        self.labels = labels
+
+    def collect(self) -> Iterator[Metric]:
+        for family in self.source.collect():
+            out = Metric(family.name, family.documentation, family.type, family.unit)
+            out.samples = [s._replace(labels={**s.labels, **self.labels}) for s in family.samples]
+            yield out
+
+
+def render(registry: CollectorRegistry | None = None, model_name: str | None = None) -> bytes:
+    """The text exposition: every process's files when multiprocess, else `registry`; with
+    model_name, every series labelled `model_name` (as dashboards and gateways group them)."""
     if registry is None:
         registry = CollectorRegistry()
         if os.environ.get(MULTIPROC_ENV):
             MultiProcessCollector(registry)
+    if model_name is not None:
+        labelled = CollectorRegistry(auto_describe=False)
+        labelled.register(_Labelled(registry, {"model_name": model_name}))  # type: ignore[arg-type]
+        registry = labelled
     return generate_latest(registry)
 
 
@@ -191,3 +212,5 @@ class FrontendMetrics:
             ["reason"],
             registry=r,
         )
+        for reason in ("buffer", "write_timeout"):  # exported at 0 before the first
+            self.slow_clients.labels(reason)

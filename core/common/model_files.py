@@ -15,6 +15,7 @@ import msgspec
 import numpy as np
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
+from gapless.core.common import hub
 from gapless.core.common.config import ModelInfo
 from gapless.core.common.model_cache import default_model_path
 
@@ -233,6 +234,42 @@ def _resolve_hf(path: Path, cap: int | None) -> ModelInfo:
         bos_token_id=None if bos is None else int(bos),
         add_bos_token=bool(add_bos),
         chat_template=_hf_chat_template(path, tok_config),
+        sampling_defaults=_sampling_defaults(gen_config),
+    )
+
+
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def _sampling_defaults(gen_config: dict) -> dict[str, float]:
+    """generation_config.json's sampling values. `do_sample` is not read: a request's own
+    temperature says whether it samples, as the OpenAI API has it."""
+    return {
+        key: float(gen_config[key])
+        for key in SAMPLING_KEYS
+        if isinstance(gen_config.get(key), int | float) and not isinstance(gen_config[key], bool)
+    }
+
+
+def _with_tokenizer(info: ModelInfo, source: str) -> ModelInfo:
+    """info, its tokenizer (and that tokenizer's chat template and BOS rule) taken from
+    `source`: a directory with tokenizer.json or a Hub id."""
+    path = hub.local_path(source, tokenizer_only=True)
+    if not (path / "tokenizer.json").is_file():
+        raise ValueError(f"--tokenizer {source}: {path} has no tokenizer.json")
+    tok_config = _read_json(path / "tokenizer_config.json")
+    tok_json = _read_json(path / "tokenizer.json")
+    bos_text = _token_text(tok_config.get("bos_token"))
+    add_bos = tok_config.get("add_bos_token")
+    if add_bos is None:
+        add_bos = _adds_bos(tok_json, bos_text)
+    bos = _hf_token_id(tok_json, bos_text)
+    return msgspec.structs.replace(
+        info,
+        tokenizer=str(path),
+        chat_template=_hf_chat_template(path, tok_config) or info.chat_template,
+        add_bos_token=bool(add_bos),
+        bos_token_id=info.bos_token_id if bos is None else bos,
     )
 
 
@@ -268,18 +305,24 @@ def _resolve_gguf(path: Path, cap: int | None) -> ModelInfo:
     )
 
 
-def resolve_model(model: str | None, max_model_len: int | None = None) -> ModelInfo:
-    """Facts about a model (no weights read): a HF directory, a .gguf file, or None (default)."""
+def resolve_model(
+    model: str | None, max_model_len: int | None = None, tokenizer: str | None = None
+) -> ModelInfo:
+    """Facts about a model (no weights read): a HF directory, a Hub id (`org/name`, from the
+    local Hub cache), a .gguf file, or None (default); `tokenizer` another tokenizer's
+    directory or Hub id."""
     if max_model_len is not None and max_model_len <= 0:
         raise ValueError(f"max_model_len must be positive, got {max_model_len}")
-    path = Path(model).expanduser() if model is not None else default_model_path()
+    path = hub.local_path(model) if model is not None else default_model_path()
     if not path.exists():
         raise ValueError(f"model path {path} does not exist")
     if path.is_dir():
-        return _resolve_hf(path, max_model_len)
-    if _is_gguf(path):
-        return _resolve_gguf(path, max_model_len)
-    raise ValueError(f"{path} is neither a Hugging Face model directory nor a .gguf file")
+        info = _resolve_hf(path, max_model_len)
+    elif _is_gguf(path):
+        info = _resolve_gguf(path, max_model_len)
+    else:
+        raise ValueError(f"{path} is neither a Hugging Face model directory nor a .gguf file")
+    return _with_tokenizer(info, tokenizer) if tokenizer else info
 
 
 # ---------------------------------------------------------------------------------------------
@@ -517,6 +560,8 @@ def _sentencepiece_tokenizer(meta: dict) -> Tokenizer:
 def load_tokenizer(info: ModelInfo) -> Tokenizer:
     """The model's tokenizer. It adds no BOS itself for GGUF; prepend info.bos_token_id when
     info.add_bos_token (encode with add_special_tokens=False for a HF tokenizer.json)."""
+    if info.tokenizer:
+        return Tokenizer.from_file(str(Path(info.tokenizer) / "tokenizer.json"))
     path = Path(info.path)
     if path.is_dir():
         return Tokenizer.from_file(str(path / "tokenizer.json"))

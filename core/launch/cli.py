@@ -148,7 +148,13 @@ def add_config_flags(p: argparse.ArgumentParser, cls: type[msgspec.Struct] = Eng
 def add_serve_args(p: argparse.ArgumentParser, cls: type[EngineConfig] = EngineConfig) -> None:
     # the model flags resolve a ModelInfo; every other flag comes from EngineConfig's fields
     p.add_argument(
-        "--model", help="Hugging Face directory or .gguf file (default: SmolLM2-135M-Instruct)"
+        "--model",
+        help="Hugging Face directory, Hub id (org/name, from the local Hub cache; fetched "
+        "unless HF_HUB_OFFLINE=1) or .gguf file (default: SmolLM2-135M-Instruct)",
+    )
+    p.add_argument(
+        "--tokenizer",
+        help="tokenizer directory or Hub id, when not the model's own (default: the model's)",
     )
     p.add_argument("--served-model-name", help="model name clients send (default: from --model)")
     p.add_argument(
@@ -169,15 +175,18 @@ def add_serve_args(p: argparse.ArgumentParser, cls: type[EngineConfig] = EngineC
 def config_from_args(
     args: argparse.Namespace, cls: type[EngineConfig] = EngineConfig
 ) -> EngineConfig:
+    from gapless.core.common.hub import is_hub_id
     from gapless.core.common.model_cache import DEFAULT_NAME
     from gapless.core.common.model_files import resolve_model
 
     keys, tenants = read_keys_file(args.api_keys_file) if args.api_keys_file else ({}, {})
     for tenant, weight in args.tenant_weight or ():
         tenants[tenant] = msgspec.structs.replace(tenants.get(tenant, TenantSpec()), weight=weight)
-    info = resolve_model(args.model, args.max_model_len)
+    info = resolve_model(args.model, args.max_model_len, args.tokenizer)
     if args.served_model_name:
         name = args.served_model_name
+    elif args.model and is_hub_id(args.model):
+        name = args.model
     elif args.model:
         name = os.path.basename(os.path.normpath(args.model)).removesuffix(".gguf")
     else:

@@ -28,6 +28,7 @@ MODEL = ModelInfo(
 # every `gapless serve` flag and the default its help shows (None: shows none)
 FLAGS = {
     "--model": "SmolLM2-135M-Instruct",
+    "--tokenizer": "the model's",
     "--served-model-name": "from --model",
     "--max-model-len": "none",
     "--device {cpu,sim,cuda}": "cpu",
@@ -82,7 +83,9 @@ def env(monkeypatch):
     monkeypatch.setenv("COLUMNS", WIDE)
     monkeypatch.setenv("GAPLESS_API_KEY", "sekrit")
     # why: no model files read; config_from_args imports resolve_model when called
-    monkeypatch.setattr(model_files, "resolve_model", lambda model, max_model_len=None: MODEL)
+    monkeypatch.setattr(
+        model_files, "resolve_model", lambda model, max_model_len=None, tokenizer=None: MODEL
+    )
 
 
 def serve_parser(cls: type[EngineConfig] = EngineConfig) -> argparse.ArgumentParser:

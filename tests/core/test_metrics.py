@@ -367,6 +367,7 @@ def test_metrics_of_a_loaded_server_with_two_frontends(tiny_model_dir) -> None:
         assert m[("gapless_requests_running", ())] == 0
         assert m[("gapless_requests_waiting", ())] == 0
         assert m[("gapless_kv_blocks_used", ())] == 0 and m[("gapless_kv_blocks_total", ())] > 0
+        assert m[("gapless_kv_cache_usage_ratio", ())] == 0
         finished = (("finish_reason", "length"),)
         assert m[("gapless_requests_finished_total", finished)] == num_requests
         assert m[("gapless_generation_tokens_total", ())] == num_requests * max_tokens
@@ -379,7 +380,11 @@ def test_metrics_of_a_loaded_server_with_two_frontends(tiny_model_dir) -> None:
         assert m[("gapless_inter_token_latency_seconds_count", ())] > 0
         # every scrape, whichever frontend answered, shows the same request totals
         keys = [k for k in m if k[0].endswith(("_total", "_count")) and "device" not in k[0]]
-        keys = [k for k in keys if k[0] != "gapless_requests_rejected_total"]
+        keys = [
+            k
+            for k in keys
+            if k[0] not in ("gapless_requests_rejected_total", "gapless_bad_frames_total")
+        ]
         for other in scrapes:
             assert {k: other.get(k) for k in keys} == {k: m[k] for k in keys}
         per_frontend = _ttft_counts_per_frontend(s)
@@ -393,7 +398,13 @@ def _scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     # a new connection each time, so SO_REUSEPORT may pick either frontend
     r = httpx.get(url + "/metrics", timeout=10, headers={"connection": "close"})
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
-    return _samples(r.text)
+    samples = _samples(r.text)
+    # every series is labelled with the served model; the rest of the test reads them without
+    assert samples and all(("model_name", "tiny") in labels for _, labels in samples)
+    return {
+        (name, tuple(kv for kv in labels if kv[0] != "model_name")): value
+        for (name, labels), value in samples.items()
+    }
 
 
 def _ttft_counts_per_frontend(s: Server) -> list[float]:

@@ -31,7 +31,8 @@ def _rss_bytes(pid: int) -> int:
 def _scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     text = httpx.get(url + "/metrics", timeout=10).text
     return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
+        # every series carries model_name; these keys leave it out
+        (s.name, tuple(sorted(kv for kv in s.labels.items() if kv[0] != "model_name"))): s.value
         for family in text_string_to_metric_families(text)
         for s in family.samples
     }
