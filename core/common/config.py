@@ -10,6 +10,7 @@ import msgspec
 
 Device = Literal["cpu", "sim", "cuda"]
 DType = Literal["bfloat16", "float32", "float16"]
+CpuWait = Literal["passive", "spin"]
 SchedulingPolicy = Literal["fair", "priority", "fcfs"]
 NOT_A_FLAG = msgspec.Meta(extra={"flag": False})  # a field `gapless serve` has no flag for
 
@@ -158,6 +159,14 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             extra={"default": "all_cores"},
         ),
     ] = 1
+    cpu_wait: Annotated[
+        CpuWait,
+        msgspec.Meta(
+            description="how the cpu device's idle torch threads wait for work: passive sleeps "
+            "at once, so a busy machine (other programs, or the frontend under streaming load) "
+            "slows decoding down little; spin polls first, a little faster on an idle machine"
+        ),
+    ] = "passive"
     seed: Annotated[int, msgspec.Meta(description="seed of unseeded sampling")] = 0
     sim_profile: Annotated[
         str,
