@@ -63,7 +63,7 @@ class Streams:
         self.owned[slot] += need
         return list(range(first, first + need))
 
-    def _plan(self, new: bool, tokens: list[list[int]] | None) -> StepPlan:
+    def plan(self, new: bool, tokens: list[list[int]] | None) -> StepPlan:
         self.seq += 1
         slots = list(range(self.batch))
         n = [len(t) for t in tokens] if tokens else [1] * self.batch
@@ -88,15 +88,16 @@ class Streams:
             self.length[s] += n[s]
         return plan
 
-    def prefill(self) -> list[int]:
-        """Every stream's prompt in one step (token ids 100.. by stream); the first tokens."""
-        prompts = [
+    def prefill(self, prompts: list[list[int]] | None = None) -> list[int]:
+        """Every stream's prompt in one step (default: token ids 100.. by stream); the first
+        sampled tokens."""
+        prompts = prompts or [
             [100 + (s * 7 + i) % 30000 for i in range(self.prompt)] for s in range(self.batch)
         ]
-        return self.runner.execute(self._plan(True, prompts)).token_ids
+        return self.runner.execute(self.plan(True, prompts)).token_ids
 
     def decode(self) -> list[int]:
-        return self.runner.execute(self._plan(False, None)).token_ids
+        return self.runner.execute(self.plan(False, None)).token_ids
 
 
 def decode_steps(

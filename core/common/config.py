@@ -11,6 +11,7 @@ import msgspec
 Device = Literal["cpu", "sim", "cuda"]
 DType = Literal["bfloat16", "float32", "float16"]
 CpuWait = Literal["passive", "spin"]
+Quantization = Literal["none", "int8", "int4"]
 SchedulingPolicy = Literal["fair", "priority", "fcfs"]
 NOT_A_FLAG = msgspec.Meta(extra={"flag": False})  # a field `gapless serve` has no flag for
 
@@ -79,6 +80,14 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     dtype: Annotated[DType, msgspec.Meta(description="dtype of weights and activations")] = (
         "bfloat16"
     )
+    quantization: Annotated[
+        Quantization,
+        msgspec.Meta(
+            description="weight-only quantized linear layers on cpu (activations keep --dtype): "
+            "int8 = one scale per output row; int4 = groups of 32 with a scale and an offset, "
+            "which holds a Q4_1 GGUF's weights exactly; none = --dtype weights"
+        ),
+    ] = "none"
     # scheduling
     max_num_seqs: Annotated[int, msgspec.Meta(description="requests running at once", ge=1)] = 64
     max_num_batched_tokens: Annotated[

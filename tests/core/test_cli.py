@@ -32,6 +32,7 @@ FLAGS = {
     "--max-model-len": "none",
     "--device {cpu,sim,cuda}": "cpu",
     "--dtype {bfloat16,float32,float16}": "bfloat16",
+    "--quantization {none,int8,int4}": "none",
     "--max-num-seqs": "64",
     "--max-num-batched-tokens": "512",
     "--block-size": "16",
