@@ -161,7 +161,10 @@ def main(argv: list[str] | None = None) -> None:
     start = time.perf_counter()
     runner = ModelRunner(config)
     print(
-        f"runner ready in {time.perf_counter() - start:.1f} s; load {os.getloadavg()}", flush=True
+        f"runner ready in {time.perf_counter() - start:.1f} s (--cpu-wait {config.cpu_wait}, "
+        f"--threads {config.threads}, --dtype {config.dtype}, --quantization "
+        f"{config.quantization}); load {os.getloadavg()}",
+        flush=True,
     )
     decode_steps(runner, args.batch, args.prompt, 4)  # warm-up
     conditions = ["quiet"] + ([f"{args.hogs} hogs"] if args.hogs else [])
