@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--format", nargs="+", choices=list(FORMATS), default=["bf16"])
     p.add_argument("--model", help="model whose shapes to use (default: the default model)")
     p.add_argument("--threads", type=int, default=os.cpu_count())
-    p.add_argument("--cpu-wait", choices=["passive", "spin"], default="passive")
+    p.add_argument("--cpu-wait", choices=["short", "passive", "spin"], default="short")
     args = p.parse_args(argv)
     set_wait_policy(args.cpu_wait)  # as the runner does, before torch loads
     import torch

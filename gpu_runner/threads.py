@@ -15,6 +15,7 @@ import sys
 # the policy's environment for GNU OpenMP (torch's cpu builds) and Intel's, which reads
 # KMP_BLOCKTIME instead; a variable the operator set is left alone
 WAIT_ENV = {
+    "short": {"GOMP_SPINCOUNT": "3000", "KMP_BLOCKTIME": "1"},
     "passive": {"OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0"},
     "spin": {},
 }

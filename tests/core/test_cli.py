@@ -45,7 +45,7 @@ FLAGS = {
     "--max-queued-requests N": None,
     "--max-queued-tokens TOKENS": None,
     "--threads": str(default_threads()),
-    "--cpu-wait {passive,spin}": "passive",
+    "--cpu-wait {short,passive,spin}": "short",
     "--seed": "0",
     "--sim-profile": "h100-llama3-8b",
     "--no-cuda-graph": "cuda graph on",

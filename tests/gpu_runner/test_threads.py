@@ -10,8 +10,9 @@ import os, sys
 from gapless.gpu_runner.threads import set_wait_policy
 os.environ.pop("OMP_WAIT_POLICY", None)
 os.environ.pop("KMP_BLOCKTIME", None)
+os.environ.pop("GOMP_SPINCOUNT", None)
 before = set_wait_policy(sys.argv[1])
-policy = os.environ.get("OMP_WAIT_POLICY")
+policy = os.environ.get("OMP_WAIT_POLICY"), os.environ.get("GOMP_SPINCOUNT")
 import torch
 after = set_wait_policy(sys.argv[1])
 print(before, policy, after)
@@ -26,11 +27,15 @@ def check(policy: str) -> str:
 
 
 def test_passive_is_set_before_torch_loads_and_refused_after() -> None:
-    assert check("passive") == "True PASSIVE False"
+    assert check("passive") == "True ('PASSIVE', None) False"
+
+
+def test_short_bounds_the_spin() -> None:
+    assert check("short") == "True (None, '3000') False"
 
 
 def test_spin_leaves_the_runtime_default() -> None:
-    assert check("spin") == "True None False"
+    assert check("spin") == "True (None, None) False"
 
 
 def test_the_runner_process_sets_the_policy_before_it_imports_torch() -> None:
