@@ -12,6 +12,7 @@ from gapless.core.common.channel import Receiver, Sender
 from gapless.core.common.config import EngineConfig
 from gapless.core.common.messages import RunnerInput, RunnerOutput, RunnerReady, Shutdown, StepPlan
 from gapless.core.common.process import RUNNER_IN, RUNNER_OUT, ControlReporter, stop_requested
+from gapless.gpu_runner.threads import set_wait_policy
 
 IDLE_POLL_MS = 100
 
@@ -27,6 +28,8 @@ def run_gpu_runner(config: EngineConfig) -> None:
     plans: Receiver[RunnerInput] = Receiver(ctx, config.ipc(RUNNER_IN), RunnerInput)
     results: Sender[RunnerOutput] = Sender(ctx, config.ipc(RUNNER_OUT), shm=True)
     try:
+        if config.device == "cpu":
+            set_wait_policy(config.cpu_wait)  # why first: torch reads it when it loads
         from gapless.gpu_runner.backend import make_backend
 
         backend = make_backend(config)

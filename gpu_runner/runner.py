@@ -39,6 +39,7 @@ from gapless.gpu_runner.grammar import GrammarRows
 from gapless.gpu_runner.graph import DecodeGraphs, capture_sizes
 from gapless.gpu_runner.logprobs import row_logprobs
 from gapless.gpu_runner.model import LlamaModel, rope_inv_freq
+from gapless.gpu_runner.quant import quantize_model
 from gapless.gpu_runner.sampler import SampleOutput, SamplerState
 from gapless.gpu_runner.weights import load_weights
 
@@ -81,6 +82,9 @@ class ModelRunner:
         model = model.to_empty(device=self.device).to(self.dtype)
         model.load(load_weights(config.model, arch, self.dtype))
         model.inv_freq = rope_inv_freq(arch).to(self.device)  # buffers made on meta hold garbage
+        if config.quantization != "none":
+            assert self.device.type == "cpu", "--quantization runs on the cpu device"
+            quantize_model(model, config.quantization, config.model.path, arch)
         self.model = model.eval()
         self.num_blocks = num_kv_blocks(arch, config, self.dtype)
         assert self.num_blocks >= 2, "--kv-cache-memory holds less than one KV block"

@@ -16,6 +16,7 @@ import torch
 
 from gapless.core.common.messages import SamplingParams
 from gapless.gpu_runner.logit_rules import LogitRules
+from gapless.gpu_runner.nucleus import nucleus_argmax
 
 # columns of the float parameter table
 _TEMP, _TOP_P, _MIN_P, _PRES, _FREQ, _REP = range(6)
@@ -37,6 +38,8 @@ _MIX32_B = _signed(0xC2B2AE35, 32)
 _UNSEEDED_SALT = _signed(0xD1B54A32D192ED03, 64)
 # CPU only: rows per block = this // vocab, so a block's float32 temporaries stay in cache
 _CPU_BLOCK_ELEMENTS = 1 << 18
+# CPU only: top_p without top_k by rejection (gpu_runner/nucleus.py) instead of a full sort
+_CPU_SORT_FREE_TOP_P = True
 
 
 def _shr(x: torch.Tensor, shift: int, bits: int) -> torch.Tensor:
@@ -372,7 +375,10 @@ class SamplerState:
                 cutoff = torch.maximum(cutoff, _top_p_cutoff(kth, torch.softmax(kth, -1), top_p))
             x = x.masked_fill(x < cutoff, -torch.inf)
         probs = torch.softmax(x, dim=-1)  # [B, V] float32
-        if flags.any_top_p and not flags.top_p_within_top_k:
+        nucleus = flags.any_top_p and not flags.top_p_within_top_k
+        sort_free = nucleus and _CPU_SORT_FREE_TOP_P and x.device.type == "cpu"
+        nucleus_probs = probs  # [B, V] what top_p measures: after top_k, before min_p
+        if nucleus and not sort_free:
             ordered = probs.sort(dim=-1, descending=True).values  # [B, V]
             probs = probs.masked_fill(probs < _top_p_cutoff(ordered, ordered, top_p), 0.0)
         if flags.any_min_p:
@@ -382,6 +388,9 @@ class SamplerState:
         rows = torch.arange(row0, row0 + x.shape[0], device=x.device)
         free_key = mix64(mix64(step + (self._base_seed ^ _UNSEEDED_SALT)) ^ rows)
         keys = torch.where(ip[:, _HAS_SEED] != 0, seeded_key, free_key)  # [B] int64
+        if sort_free:
+            ratio = probs.div(exponentials(keys, self._vocab_hash))  # [B, V]
+            return nucleus_argmax(ratio, nucleus_probs, top_p)
         return _argmax(probs.div_(exponentials(keys, self._vocab_hash)))
 
 

@@ -10,6 +10,8 @@ import msgspec
 
 Device = Literal["cpu", "sim", "cuda"]
 DType = Literal["bfloat16", "float32", "float16"]
+CpuWait = Literal["short", "passive", "spin"]
+Quantization = Literal["none", "int8", "int4"]
 SchedulingPolicy = Literal["fair", "priority", "fcfs"]
 LogLevel = Literal["debug", "info", "warning", "error"]
 LogFormat = Literal["text", "json"]
@@ -85,6 +87,14 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     dtype: Annotated[DType, msgspec.Meta(description="dtype of weights and activations")] = (
         "bfloat16"
     )
+    quantization: Annotated[
+        Quantization,
+        msgspec.Meta(
+            description="weight-only quantized linear layers on cpu (activations keep --dtype): "
+            "int8 = one scale per output row; int4 = groups of 32 with a scale and an offset, "
+            "which holds a Q4_1 GGUF's weights exactly; none = --dtype weights"
+        ),
+    ] = "none"
     # scheduling
     max_num_seqs: Annotated[int, msgspec.Meta(description="requests running at once", ge=1)] = 64
     max_num_batched_tokens: Annotated[
@@ -173,6 +183,15 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             extra={"default": "all_cores"},
         ),
     ] = 1
+    cpu_wait: Annotated[
+        CpuWait,
+        msgspec.Meta(
+            description="how the cpu device's idle torch threads wait for work: short spins "
+            "a few microseconds, then sleeps (fastest on an idle machine, half the loss of spin "
+            "on a busy one); passive sleeps at once (best when other programs keep the cores "
+            "busy, slower when idle); spin is the OpenMP runtime's default"
+        ),
+    ] = "short"
     seed: Annotated[int, msgspec.Meta(description="seed of unseeded sampling")] = 0
     sim_profile: Annotated[
         str,

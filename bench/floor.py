@@ -1,0 +1,120 @@
+"""The floor under a decode step: the model's matmuls alone, on this cpu.
+
+python -m gapless.bench.floor --batch 32 --format bf16
+python -m gapless.bench.floor --batch 1 --format int4 fp32 bf16 int8
+
+Every linear layer of the model (30 layers x q, k, v, o, gate, up, down, then the output
+layer), with the model's shapes and the module the engine runs for the format (F.linear for
+float weights, the int8 / int4 kernels of --quantization), one after another on a [batch, in]
+input: a step's weight reads and FLOPs with nothing around them. Median of 10 after warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from typing import TYPE_CHECKING
+
+from gapless.gpu_runner.threads import set_wait_policy
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+# format -> (--dtype, --quantization)
+FORMATS = {
+    "fp32": ("float32", "none"),
+    "bf16": ("bfloat16", "none"),
+    "int8": ("bfloat16", "int8"),
+    "int4": ("bfloat16", "int4"),
+}
+
+
+def linear_layers(model: nn.Module) -> list[nn.Module]:
+    """The model's matmul modules in the order a step runs them."""
+    from torch import nn
+
+    from gapless.gpu_runner.quant import Int4Linear, Int8Linear
+
+    kinds = (nn.Linear, Int8Linear, Int4Linear)
+    return [m for m in model.modules() if isinstance(m, kinds)]
+
+
+def in_features(module: nn.Module) -> int:
+    from gapless.gpu_runner.quant import Int4Linear
+
+    if isinstance(module, Int4Linear):
+        return module.packed.shape[1] * 2
+    return module.weight.shape[1]
+
+
+def build(arch, fmt: str) -> nn.Module:
+    """The model with random weights in the format's layers (speed does not read the values)."""
+    import torch
+
+    from gapless.gpu_runner.model import LlamaModel
+    from gapless.gpu_runner.quant import quantize_model
+
+    dtype, quant = FORMATS[fmt]
+    torch.manual_seed(0)
+    model = LlamaModel(arch).to(getattr(torch, dtype))
+    quantize_model(model, quant, "", arch)
+    return model.eval()
+
+
+def floor_step(model: nn.Module, batch: int, dtype: torch.dtype, repeats: int = 10) -> list[float]:
+    """Seconds of each of `repeats` passes over every matmul at `batch` rows, after warm-up."""
+    import torch
+
+    torch.set_grad_enabled(False)
+    layers = linear_layers(model)
+    inputs = {n: torch.randn(batch, n, dtype=dtype) for n in {in_features(m) for m in layers}}
+
+    def step() -> None:
+        for m in layers:
+            m(inputs[in_features(m)])
+
+    for _ in range(3):
+        step()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m gapless.bench.floor", description=__doc__)
+    p.add_argument("--batch", type=int, nargs="+", default=[32])
+    p.add_argument("--format", nargs="+", choices=list(FORMATS), default=["bf16"])
+    p.add_argument("--model", help="model whose shapes to use (default: the default model)")
+    p.add_argument("--threads", type=int, default=os.cpu_count())
+    p.add_argument("--cpu-wait", choices=["short", "passive", "spin"], default="short")
+    args = p.parse_args(argv)
+    set_wait_policy(args.cpu_wait)  # as the runner does, before torch loads
+    import torch
+
+    from gapless.core.common.model_files import load_arch, resolve_model
+
+    torch.set_num_threads(args.threads)
+    arch = load_arch(resolve_model(args.model))
+    for fmt in args.format:
+        model = build(arch, fmt)
+        nbytes = sum(b.numel() * b.element_size() for m in linear_layers(model)
+                     for b in [*m.parameters(), *m.buffers()])  # fmt: skip
+        for batch in args.batch:
+            times = floor_step(model, batch, getattr(torch, FORMATS[fmt][0]))
+            step = statistics.median(times)
+            print(
+                f"{fmt:>5} batch {batch:4d}: matmuls {step * 1e3:8.2f} ms a step "
+                f"(median of {len(times)}), {batch / step:8.1f} tok/s, "
+                f"{nbytes / 2**20:6.1f} MiB of weights; load {os.getloadavg()[0]:.1f}",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()

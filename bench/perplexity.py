@@ -1,0 +1,85 @@
+"""Perplexity of the served model on a fixed text, through the cpu runner's own forward.
+
+python -m gapless.bench.perplexity                          # every weight format, fp32 first
+python -m gapless.bench.perplexity --formats int4 -- --dtype bfloat16
+
+Each format is one runner built from `gapless serve` flags (after `--`) plus --dtype and
+--quantization; the text is one prompt, and every position's next-token log-likelihood counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+import torch
+
+from gapless.bench.cpu_step import Streams, runner_config
+from gapless.gpu_runner.batch import LOGIT_ROWS
+
+TEXT = Path(__file__).parent / "data" / "perplexity.txt"
+# (dtype, quantization) of each format; fp32 without quantization is the reference
+FORMATS = {
+    "fp32": ("float32", "none"),
+    "bf16": ("bfloat16", "none"),
+    "int8": ("bfloat16", "int8"),
+    "int4": ("bfloat16", "int4"),
+    "int8-fp32": ("float32", "int8"),
+    "int4-fp32": ("float32", "int4"),
+}
+
+
+def text_ids(runner, path: Path = TEXT) -> list[int]:
+    from gapless.core.common.model_files import load_tokenizer
+
+    return load_tokenizer(runner.config.model).encode(path.read_text()).ids
+
+
+@torch.inference_mode()
+def perplexity(runner, ids: list[int]) -> float:
+    """exp of the mean negative log-likelihood of ids[1:], each given the ids before it."""
+    streams = Streams(runner, 1, len(ids), 0)
+    plan = streams.plan(True, [ids])
+    runner.begin(plan)
+    inp, meta = runner.prepare(plan)
+    num = inp.num_rows
+    runner.batch.table[:num, LOGIT_ROWS] = torch.arange(num)  # every row's logits
+    logits = runner.forward(num, meta, num)  # [T, vocab] float32
+    target = torch.tensor(ids[1:])
+    nll = torch.nn.functional.cross_entropy(logits[:-1].double(), target)
+    runner.begin(msgspec.structs.replace(plan, seq=plan.seq + 1, new_slots=[], freed_slots=[0],
+                                         slots=[], num_tokens=[], start_pos=[], has_tokens=[],
+                                         token_ids=[], sample=[], num_new_blocks=[],
+                                         new_blocks=[]))  # fmt: skip
+    runner.batch.num_blocks[:] = 0
+    return math.exp(float(nll))
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    split = argv.index("--") if "--" in argv else len(argv)
+    p = argparse.ArgumentParser(prog="python -m gapless.bench.perplexity")
+    p.add_argument("--formats", nargs="+", choices=list(FORMATS), default=list(FORMATS))
+    p.add_argument("--text", type=Path, default=TEXT)
+    args = p.parse_args(argv[:split])
+    from gapless.gpu_runner.runner import ModelRunner
+
+    reference = None
+    for name in args.formats:
+        dtype, quant = FORMATS[name]
+        serve = [*argv[split + 1 :], "--dtype", dtype, "--quantization", quant]
+        start = time.perf_counter()
+        runner = ModelRunner(runner_config(serve, 1, 4096))
+        ids = text_ids(runner, args.text)
+        ppl = perplexity(runner, ids)
+        reference = reference or ppl
+        print(f"{name:>10}: perplexity {ppl:8.4f}  ({ppl / reference - 1:+.2%} of {args.formats[0]})"
+              f"  {len(ids)} tokens, {time.perf_counter() - start:.1f} s", flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

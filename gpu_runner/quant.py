@@ -1,0 +1,136 @@
+"""Weight-only quantized linear layers on cpu, over torch's own int8 and int4 kernels.
+
+Decode at small batch reads every weight once a token, so its speed is the weights' bytes.
+`--quantization int8` keeps each output row as int8 with one scale (aten._weight_int8pack_mm);
+`int4` keeps groups of 32 input columns as 4-bit codes with a scale and an offset
+(aten._weight_int4pack_mm_for_cpu), which is exactly GGUF's Q4_1 block: w = d * q + m with
+q in 0..15 equals (q - 8) * d + (m + 8 d), the kernel's form, so a Q4_1 file loses nothing.
+Weights a format cannot hold exactly are quantized from their float values (int8: per row,
+symmetric; int4: per group of 32, min to max). The output layer stays int8 under int4: tied
+to a Q8_0 embedding, 4 bits would lose what the file has. Activations keep --dtype.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
+from torch import nn
+
+from gapless.core.common.model_files import ModelArch, read_gguf
+
+GROUP = 32  # int4 group size: Q4_1's block
+Q4_1_BLOCK_BYTES = 20  # fp16 d, fp16 m, 16 bytes of 32 nibbles
+QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class Int8Linear(nn.Module):
+    """y = x W^T (+ b), W [N, K] int8 with one scale per output row."""
+
+    def __init__(self, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.register_buffer("weight", weight)  # [N, K] int8
+        self.register_buffer("scales", scales)  # [N], activation dtype
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), self.weight, self.scales)
+        y = y.view(*lead, -1)
+        return y if self.bias is None else y + self.bias
+
+
+class Int4Linear(nn.Module):
+    """y = x W^T (+ b), W in groups of 32 input columns: (q - 8) * scale + zero, q 4 bits."""
+
+    def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.register_buffer("packed", packed)  # [N, K / 2] uint8, the kernel's layout
+        self.register_buffer("scales_zeros", scales_zeros)  # [K / 32, N, 2], activation dtype
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        flat = x.reshape(-1, x.shape[-1])
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP, self.scales_zeros)
+        y = y.view(*lead, -1)
+        return y if self.bias is None else y + self.bias
+
+
+def int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] float -> (int8 [N, K], scale [N] float32), symmetric per row."""
+    w = w.float()
+    scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def int4_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [N, K] float -> (codes [N, K] uint8 in 0..15, d [N, K/32], m [N, K/32]): w ~ d q + m."""
+    n, k = w.shape
+    g = w.float().view(n, k // GROUP, GROUP)
+    low, high = g.amin(-1), g.amax(-1)
+    d = ((high - low) / 15.0).clamp(min=1e-12)
+    q = torch.round((g - low[..., None]) / d[..., None]).clamp_(0, 15).to(torch.uint8)
+    return q.view(n, k), d, low
+
+
+def make_int4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, dtype, bias) -> Int4Linear:
+    """Int4Linear of w = d * q + m per group of 32: q [N, K] in 0..15, d and m [N, K/32]."""
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+    zeros = m.float() + 8.0 * d.float()
+    scales_zeros = torch.stack([d.float(), zeros], dim=-1).transpose(0, 1).contiguous()
+    return Int4Linear(packed, scales_zeros.to(dtype), bias)
+
+
+def q4_1_blocks(path: Path, arch: ModelArch) -> dict[str, tuple[torch.Tensor, ...]]:
+    """HF name -> (q [N, K] uint8, d [N, K/32], m [N, K/32] float32) of every Q4_1 tensor of a
+    GGUF file, with llama's Q/K rows put back in Hugging Face's order as the loader does."""
+    from gapless.gpu_runner.weights import _hf_name, _unpermute
+
+    gguf = read_gguf(path)
+    raw = np.memmap(gguf.path, dtype=np.uint8, mode="r")
+    out = {}
+    for gguf_name, t in gguf.tensors.items():
+        name = _hf_name(gguf_name)
+        if name is None or t.qtype != GGMLQuantizationType.Q4_1:
+            continue
+        n, k = t.shape
+        nbytes = n * k // GROUP * Q4_1_BLOCK_BYTES
+        blocks = np.asarray(raw[t.offset : t.offset + nbytes]).reshape(n, k // GROUP, 20)
+        d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)  # [N, K/32]
+        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        nib = blocks[..., 4:]  # [N, K/32, 16]: element j low nibble, element j + 16 high
+        q = np.concatenate([nib & 0x0F, nib >> 4], axis=-1).reshape(n, k)
+        tensors = [torch.from_numpy(q.copy()), torch.from_numpy(d), torch.from_numpy(m)]
+        if arch.architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = arch.num_heads if name.endswith("q_proj.weight") else arch.num_kv_heads
+            tensors = [_unpermute(x, heads).contiguous() for x in tensors]
+        out[name.removesuffix(".weight")] = tuple(tensors)
+    return out
+
+
+def quantize_model(model: nn.Module, mode: str, model_path: str, arch: ModelArch) -> None:
+    """Swap the decoder's linear layers (and the output layer) for quantized ones, in place."""
+    if mode == "none":
+        return
+    assert mode in ("int8", "int4"), f"unknown quantization {mode!r}"
+    dtype = model.model.embed_tokens.weight.dtype
+    path = Path(model_path)
+    exact = q4_1_blocks(path, arch) if mode == "int4" and path.is_file() else {}
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, nn.Linear) or name.rsplit(".", 1)[-1] not in QUANTIZED:
+            continue
+        bias = None if module.bias is None else module.bias.detach()
+        if mode == "int8":
+            q, scale = int8_rows(module.weight.detach())
+            new: nn.Module = Int8Linear(q, scale.to(dtype), bias)
+        else:
+            q, d, m = exact.get(name) or int4_groups(module.weight.detach())
+            new = make_int4(q, d, m, dtype, bias)
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent), attr, new)
+    q, scale = int8_rows(model.lm_head.weight.detach())
+    model.lm_head = Int8Linear(q, scale.to(dtype), None)
