@@ -1,7 +1,12 @@
 from __future__ import annotations
 
+import asyncio
 import json
+import socket
+import threading
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -9,6 +14,7 @@ import httpx
 import msgspec
 import pytest
 import tokenizers
+import uvicorn
 from prometheus_client import CollectorRegistry
 
 from gapless.core.common.config import EngineConfig, ModelInfo
@@ -16,6 +22,7 @@ from gapless.core.common.metrics import FrontendMetrics
 from gapless.frontend import metrics
 from gapless.frontend.admission import Admission
 from gapless.frontend.app import App
+from gapless.frontend.http import head_limited
 from gapless.frontend.prompts import Prompter
 from gapless.frontend.state import FrontendState
 from tests.frontend.fake_engine import FakeEngine
@@ -102,6 +109,33 @@ def build_app(config: EngineConfig, engine: FakeEngine) -> App:
 @pytest.fixture
 def app(config: EngineConfig, engine: FakeEngine) -> App:
     return build_app(config, engine)
+
+
+@contextmanager
+def served(config: EngineConfig, engine: FakeEngine) -> Iterator[int]:
+    """The app behind real uvicorn (with the request-head limit) on a free port, in a thread;
+    yields the port."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            build_app(config, engine),
+            http=head_limited(config.max_head_bytes),
+            lifespan="off",
+            log_level="critical",
+        )
+    )
+    thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])))
+    thread.start()
+    try:
+        while not server.started:
+            time.sleep(0.01)
+        yield sock.getsockname()[1]
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
 
 
 @pytest.fixture

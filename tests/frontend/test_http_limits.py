@@ -2,42 +2,20 @@
 
 from __future__ import annotations
 
-import asyncio
 import socket
-import threading
 from collections.abc import Iterator
 
 import pytest
-import uvicorn
 
-from gapless.frontend.http import head_limited
-from tests.frontend.conftest import build_app
+from tests.frontend.conftest import served
 
 LIMIT = 16 * 1024
 
 
 @pytest.fixture
 def server_port(make_config, engine) -> Iterator[int]:
-    config = make_config(api_key="sekrit", max_head_bytes=LIMIT)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(16)
-    server = uvicorn.Server(
-        uvicorn.Config(
-            build_app(config, engine),
-            http=head_limited(config.max_head_bytes),
-            lifespan="off",
-            log_level="warning",
-        )
-    )
-    thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])))
-    thread.start()
-    while not server.started:
-        threading.Event().wait(0.01)
-    yield sock.getsockname()[1]
-    server.should_exit = True
-    thread.join(10)
-    sock.close()
+    with served(make_config(api_key="sekrit", max_head_bytes=LIMIT), engine) as port:
+        yield port
 
 
 def _request(port: int, head: bytes, filler: int, chunk: int = 8192) -> tuple[bytes, int]:

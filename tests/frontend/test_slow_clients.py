@@ -6,42 +6,16 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import threading
 import time
-from collections.abc import Iterator
 
 import httpx
 import pytest
-import uvicorn
 from prometheus_client import CollectorRegistry
 
-from gapless.frontend.http import head_limited
-from tests.frontend.conftest import build_app
+from tests.frontend.conftest import build_app, served
 
 LONG_CONTEXT = {"max_model_len": 1_000_000}
 BODY = {"prompt": "word " * 20_000, "max_tokens": 200_000, "stream": True, "logprobs": 5}
-
-
-def _serve(config, engine) -> Iterator[int]:
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    sock.listen(16)
-    server = uvicorn.Server(
-        uvicorn.Config(
-            build_app(config, engine),
-            http=head_limited(config.max_head_bytes),
-            lifespan="off",
-            log_level="critical",
-        )
-    )
-    thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])))
-    thread.start()
-    while not server.started:
-        time.sleep(0.01)
-    yield sock.getsockname()[1]
-    server.should_exit = True
-    thread.join(10)
-    sock.close()
 
 
 def _stop_reading(port: int) -> socket.socket:
@@ -72,7 +46,7 @@ def _slow(registry: CollectorRegistry, reason: str) -> float:
 def test_unread_buffer_cap_aborts_the_request(make_config, engine, registry) -> None:
     config = make_config(model_overrides=LONG_CONTEXT, stream_write_timeout_s=600.0)
     engine.max_pending = 64
-    for port in _serve(config, engine):
+    with served(config, engine) as port:
         client = _stop_reading(port)
         _wait_aborted(engine, 30)
         assert engine.aborted == [engine.added[0].request_id]
@@ -88,7 +62,7 @@ def test_write_timeout_aborts_the_request(make_config, engine, registry) -> None
     config = make_config(model_overrides=LONG_CONTEXT, stream_write_timeout_s=1.0)
     engine.max_pending = 10**9
     engine.delay_s = 0.001
-    for port in _serve(config, engine):
+    with served(config, engine) as port:
         client = _stop_reading(port)
         _wait_aborted(engine, 30)
         assert engine.aborted == [engine.added[0].request_id]
