@@ -9,7 +9,7 @@ ENV PYTHONUNBUFFERED=1 \
     PATH=/opt/gapless/.venv/bin:$PATH
 WORKDIR /opt/gapless
 
-COPY pyproject.toml README.md Makefile ./
+COPY pyproject.toml README.md Makefile constraints.txt ./
 COPY core core
 COPY frontend frontend
 COPY detokenizer detokenizer
@@ -21,7 +21,7 @@ COPY bench bench
 RUN python3 -m venv .venv \
     && .venv/bin/python -m pip install --no-cache-dir --quiet --upgrade pip \
     && .venv/bin/python -m pip install --no-cache-dir --quiet torch==2.13.0 \
-    && .venv/bin/python -m pip install --no-cache-dir --quiet -e '.[test,bench]' \
+    && .venv/bin/python -m pip install --no-cache-dir --quiet -c constraints.txt -e '.[test,bench]' \
     && .venv/bin/python -m gapless.core.common.model_cache
 
 RUN useradd --system --uid 10001 --home-dir /opt/gapless gapless && chown -R 10001 /opt/gapless

@@ -3,6 +3,7 @@ the sim device (h100-llama3-8b, 64 seats: sim figures), with bench's multi-tenan
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import numpy as np
@@ -14,8 +15,15 @@ from tests.server import Server
 pytestmark = pytest.mark.slow
 
 
+_seeds = itertools.count(1)
+
+
 def bench(targets: dict[str, Server], spec: str, out_json) -> dict:
+    """One bench run. Each run draws its own prompts (its own seed): the servers outlive a test,
+    and a prompt another test sent would be found in the prefix cache, which charges its tenant
+    nothing for the prompt and so gives that tenant more of the output."""
     args = [a for name, s in targets.items() for a in ("--target", f"{name}={s.url}")]
+    args += ["--seed", str(next(_seeds))]
     with pytest.raises(SystemExit) as exc:
         main([*args, "--tenants", spec, "--no-progress", "--output-json", str(out_json)])
     assert exc.value.code == 0
