@@ -25,9 +25,11 @@ from gapless.core.engine import EngineCore
 from gapless.gpu_runner.backend import make_backend
 
 
-def one_run(config: EngineConfig, prompts: list[list[int]], max_tokens: int) -> dict[str, float]:
+def one_run(
+    config: EngineConfig, prompts: list[list[int]], max_tokens: int, kv_blocks: int | None = None
+) -> dict[str, float]:
     backend = make_backend(config)
-    core = EngineCore(config, backend.num_blocks)
+    core = EngineCore(config, kv_blocks or backend.num_blocks)
     root = hash_root(config.model.path, "")
     for i, p in enumerate(prompts):
         hashes = chain_hashes(root, p, config.block_size) if config.prefix_caching else []
@@ -47,6 +49,7 @@ def one_run(config: EngineConfig, prompts: list[list[int]], max_tokens: int) -> 
         "host_ms_median": float(np.median(host)),
         "prefill_tokens": sum(s.num_prefill_tokens for s in steps),
         "hit_tokens": core.scheduler.num_hit_tokens,
+        "evictions": core.scheduler.blocks.num_evictions,
     }
 
 
@@ -57,6 +60,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--runs", type=int, default=3, help="runs of each setting, alternating")
     p.add_argument("--sim-profile", default="h100-llama3-8b")
+    p.add_argument(
+        "--sim-time-scale",
+        type=float,
+        default=1.0,
+        help="scale the modelled step times (shorter runs, so more of them; the host work "
+        "per step is the same)",
+    )
+    p.add_argument(
+        "--kv-blocks",
+        type=int,
+        help="KV blocks the core may use (default: what the profile fits); fewer than the "
+        "prompts need makes every allocation evict, as on a server that has run a while",
+    )
     args = p.parse_args(argv)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 40000, args.prompt_len).tolist() for _ in range(args.requests)]
@@ -65,6 +81,7 @@ def main(argv: list[str] | None = None) -> None:
         served_model_name="sim",
         device="sim",
         sim_profile=args.sim_profile,
+        sim_time_scale=args.sim_time_scale,
         max_num_seqs=256,
         max_num_batched_tokens=8192,
     )
@@ -73,13 +90,14 @@ def main(argv: list[str] | None = None) -> None:
         for caching in (False, True):
             config = EngineConfig(**{**{f: getattr(base, f) for f in base.__struct_fields__},
                                      "prefix_caching": caching})  # fmt: skip
-            runs[caching].append(one_run(config, prompts, args.max_tokens))
+            runs[caching].append(one_run(config, prompts, args.max_tokens, args.kv_blocks))
     for caching, rs in runs.items():
         mean = statistics.median(r["host_ms_mean"] for r in rs)
         median = statistics.median(r["host_ms_median"] for r in rs)
         print(
             f"caching {'on ' if caching else 'off'}: steps {[r['steps'] for r in rs]}, "
             f"prefill tokens {rs[0]['prefill_tokens']}, hit tokens {rs[0]['hit_tokens']}, "
+            f"evictions {rs[0]['evictions']}, "
             f"host ms/step mean {mean:.3f} (runs {[round(r['host_ms_mean'], 3) for r in rs]}), "
             f"median {median:.3f} (sim)"
         )

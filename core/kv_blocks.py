@@ -3,44 +3,60 @@ bookkeeping).
 
 Prefix caching. A full block is named by a chained hash (core/common/block_hash.py):
 sha256(parent's hash + its token ids as int32), the first block's parent being a root made of
-the model and the request's `cache_salt`, so requests that must not share never meet. `BlockManager` maps each hash to the
-one block holding that KV, counts references, keeps blocks nobody references cached in least
-recently used order, and evicts the oldest when it needs a block and none is empty.
+the model and the request's `cache_salt`, so requests that must not share never meet.
+`BlockManager` maps hashes to the blocks holding that KV, counts references, keeps blocks
+nobody references in least recently used order, and evicts the oldest when it needs a block
+and none is empty.
+
+Names are given lazily, because at 0% hits naming every block is pure cost. When a request's
+blocks become reusable (`register`), only its first block (its *head*) is put in the map at
+once; the rest wait as a *fragment* filed under the head's hash (the blocks, their hashes or
+the tokens to hash, and the allocation clock). A lookup that finds a head names its waiting
+fragments first, and only then walks the chain. A lookup that misses the head (every lookup
+when prompts are distinct) costs one dict probe, and a fragment nobody asks for is dropped with
+its head when that is evicted. A fragment's block is named only if no allocation has handed it
+out since the fragment was filed (the block's stamp is not newer than the fragment's clock).
 
 Invariants (tests/core/test_prefix_cache.py checks them after every step, overlap on and off):
-1. A block is in exactly one place: the empty list, the cached LRU (no reference, a hash), or
+1. A block is in exactly one place: the empty list, the LRU (no reference, reusable KV), or
    held by one or more requests (ref > 0). Block 0 is in none (padding writes it).
-2. A hash names a block only once the steps that write that block's KV have all been sent to
-   the runner. The runner runs plans in order, so any step that reads the block (a request that
-   hits it is planned later) runs after those writes. The scheduler registers prompt blocks when
-   it builds the step that fills them and output blocks when the request leaves its slot
-   (their ids are known only then), and only positions whose ids are known.
+2. A block is registered, and so can be named, only once the steps that write its KV have all
+   been sent to the runner. The runner runs plans in order, so any step that reads the block
+   (a request that hits it is planned later) runs after those writes. The scheduler registers
+   prompt blocks when it builds the step that fills them and output blocks when the request
+   leaves its slot (their ids are known only then), and only positions whose ids are known.
 3. A block a request holds is never evicted: eviction takes only unreferenced blocks. A step in
    flight may still write a block its request has since left (preempted, finished); that block
-   is either empty (no hash) or cached under a hash of exactly what that step writes (2), and a
+   is either empty (not reusable) or registered with exactly what that step writes (2), and a
    later owner's writes are planned later, so they land after it (the same in-order argument
    as freeing without caching).
-4. A cached block is never written again: a request takes at most (its tokens - 1) // size
+4. A reusable block is never written again: a request takes at most (its tokens - 1) // size
    cached blocks, so it computes at least its last token, into a block of its own.
-5. Eviction drops the hash before the block is handed out, so no later lookup can hit it.
+5. Eviction drops the block's name (and, for a head, its waiting fragments) and stamps it
+   before it is handed out, so no later lookup can hit it and no fragment can name it.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import deque
 
 from gapless.core.common.block_hash import chain_hashes, hash_root
 
 __all__ = ["BlockManager", "SlotManager", "chain_hashes", "hash_root"]
 
+# (clock when filed, blocks, their hashes or None, parent hash, tokens to hash when None)
+Fragment = tuple[int, list[int], "list[bytes] | None", bytes, "list[int] | None"]
+
 
 class BlockManager:
     """Hands out KV block ids. Block 0 is reserved: padded entries on the runner write there.
 
-    `caching` off: no block is ever registered, so freed blocks go back empty and nothing hits.
-    Per-block work is a tight loop over Python lists and dicts: on lists of tens of blocks that
-    beats numpy's per-call cost (measured here: naming 64 fresh blocks ~10 us, freeing them
-    ~16 us, 9 of which without caching).
+    `caching` off: nothing is ever registered, so freed blocks go back empty and nothing hits.
+    Per-block work is a tight loop over Python lists: on lists of tens of blocks that beats
+    numpy's per-call cost. The LRU is a deque with lazy deletion: a hit leaves the block's entry
+    in place and counts it stale, and eviction skips stale entries; with none (no hits since the
+    last compaction) eviction is a bulk pop. Moving entries of an ordered dict instead costs
+    several times a deque append per block.
     """
 
     def __init__(self, num_blocks: int, block_size: int, caching: bool = True) -> None:
@@ -48,17 +64,23 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.caching = caching
-        self._empty: deque[int] = deque(range(1, num_blocks))  # no reference, no hash
-        self._cached: OrderedDict[int, None] = OrderedDict()  # no reference, a hash; LRU first
+        self._empty: deque[int] = deque(range(1, num_blocks))  # no reference, nothing reusable
+        self._lru: deque[int] = deque()  # freed reusable blocks, oldest first, stale entries too
+        self._stale: dict[int, int] = {}  # stale entries per block, all older than its live one
+        self._num_lru = 0  # live entries: reusable blocks no request holds
         self._ref = [0] * num_blocks  # requests holding each block
+        self._num_reusable = 0  # blocks registered and not evicted since
         self._hash: list[bytes | None] = [None] * num_blocks  # a named block's hash
         self._by_hash: dict[bytes, int] = {}
-        self.num_evictions = 0  # cached blocks reused for other content
+        self._pending: dict[bytes, list[Fragment]] = {}  # fragments waiting under their head
+        self._stamp = [0] * num_blocks  # the eviction that last handed each block out
+        self._clock = 0
+        self.num_evictions = 0  # reusable blocks taken for other content
 
     @property
     def num_free(self) -> int:
-        """Blocks an allocation may take: empty ones and unreferenced cached ones."""
-        return len(self._empty) + len(self._cached)
+        """Blocks an allocation may take: empty ones and unreferenced reusable ones."""
+        return len(self._empty) + self._num_lru
 
     @property
     def num_usable(self) -> int:
@@ -66,13 +88,13 @@ class BlockManager:
 
     @property
     def num_cached(self) -> int:
-        """Blocks holding KV under a hash, referenced or not."""
-        return len(self._by_hash)
+        """Blocks holding reusable KV, referenced or not (named or waiting for a lookup)."""
+        return self._num_reusable
 
     @property
     def num_cached_free(self) -> int:
-        """Cached blocks no request holds: kept until an allocation evicts them."""
-        return len(self._cached)
+        """Reusable blocks no request holds: kept until an allocation evicts them."""
+        return self._num_lru
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -85,43 +107,98 @@ class BlockManager:
         assert self.can_allocate(n), "allocate without can_allocate"
         empty = self._empty
         out = [empty.popleft() for _ in range(min(n, len(empty)))]
-        if n > len(out):  # evict; with a full cache (a server that has run a while) always
-            popitem, k = self._cached.popitem, n - len(out)
-            evicted = [popitem(False)[0] for _ in range(k)]
-            # drop their names before anyone can look them up again (invariant 5); why map and
-            # a zero-length deque: the loop runs in C, an eviction per block of every prompt
-            names = self._hash
-            deque(map(self._by_hash.pop, map(names.__getitem__, evicted)), maxlen=0)
-            for b in evicted:
-                names[b] = None
-            self.num_evictions += k
-            out += evicted
+        if n > len(out):  # with a full cache (a server that has run a while) always
+            out += self._evict(n - len(out))
         ref = self._ref
         for b in out:
             ref[b] = 1
         return out
 
-    def free(self, blocks: list[int]) -> None:
-        """Drop one reference to each block (a request's blocks are distinct). A block nobody
-        holds stays cached if it has a hash; the tail of a sequence goes first into the LRU, so
-        it is evicted before the prefix it extends."""
-        ref, names, cached, empty = self._ref, self._hash, self._cached, self._empty
-        for b in reversed(blocks):
+    def _evict(self, k: int) -> list[int]:
+        lru = self._lru
+        if not self._stale:  # no stale entries: the usual case, a bulk pop
+            out = [lru.popleft() for _ in range(k)]
+        else:
+            stale = self._stale
+            out = []
+            while len(out) < k:
+                b = lru.popleft()
+                n = stale.get(b)
+                if n is None:
+                    out.append(b)
+                elif n == 1:
+                    del stale[b]
+                else:
+                    stale[b] = n - 1
+        self._num_lru -= k
+        self._num_reusable -= k
+        self.num_evictions += k
+        self._clock = clock = self._clock + 1
+        stamp, names = self._stamp, self._hash
+        for b in out:
+            stamp[b] = clock
+            h = names[b]
+            if h is not None:  # invariant 5
+                names[b] = None
+                del self._by_hash[h]
+                self._pending.pop(h, None)
+        return out
+
+    def free(self, blocks: list[int], num_reusable: int = 0) -> None:
+        """Drop one reference to each of a request's blocks (distinct), the first
+        `num_reusable` of them registered. A registered block nobody holds joins the LRU, the
+        tail of a sequence first, so it is evicted before the prefix it extends; any other goes
+        back empty. Which blocks are registered is known by position, not kept per block: a
+        request registers its blocks in order, and the blocks it took from the cache lead."""
+        ref, empty, lru = self._ref, self._empty, self._lru
+        for b in reversed(blocks[num_reusable:]):
             r = ref[b] - 1
             assert r >= 0, f"double free of KV block {b}"
             ref[b] = r
             if r == 0:
-                if names[b] is not None:
-                    cached[b] = None
-                else:
-                    empty.append(b)
+                empty.append(b)
+        n = 0
+        for b in reversed(blocks[:num_reusable]):
+            r = ref[b] - 1
+            assert r >= 0, f"double free of KV block {b}"
+            ref[b] = r
+            if r == 0:
+                lru.append(b)
+                n += 1
+        self._num_lru += n
+        if len(lru) > 2 * self.num_blocks:
+            self._compact()
+
+    def _compact(self) -> None:
+        """Drop the LRU's stale entries (a long run of hits on blocks that are never evicted
+        would grow it without bound)."""
+        stale = self._stale
+        live = []
+        for b in self._lru:
+            n = stale.get(b)
+            if n is None:
+                live.append(b)
+            elif n == 1:
+                del stale[b]
+            else:
+                stale[b] = n - 1
+        assert not stale and len(live) == self._num_lru
+        self._lru = deque(live)
 
     # prefix caching
 
+    def has_head(self, h: bytes) -> bool:
+        """Whether a chain's first hash names a block (a lookup can hit anything)."""
+        return h in self._by_hash
+
     def lookup(self, hashes: list[bytes]) -> list[int]:
         """The blocks of the longest cached prefix of a chain of hashes (nothing is taken)."""
-        out = []
         by_hash = self._by_hash
+        if not hashes or hashes[0] not in by_hash:
+            return []
+        if hashes[0] in self._pending:
+            self._name(hashes[0])
+        out = []
         for h in hashes:
             b = by_hash.get(h)
             if b is None:
@@ -136,47 +213,81 @@ class BlockManager:
 
     def take(self, blocks: list[int]) -> None:
         """A reference to each of these cached blocks (from lookup)."""
-        ref, cached = self._ref, self._cached
+        ref, stale = self._ref, self._stale
+        n = 0
         for b in blocks:
-            assert self._hash[b] is not None, f"KV block {b} is not cached"
-            if ref[b] == 0:
-                del cached[b]
+            if ref[b] == 0:  # its LRU entry goes stale; freed again, it gets a newer one
+                stale[b] = stale.get(b, 0) + 1
+                n += 1
             ref[b] += 1
+        self._num_lru -= n
 
-    def register(self, blocks: list[int], hashes: list[bytes]) -> None:
-        """Name held, full blocks by their hashes so later requests can hit them. A block that
-        has a name keeps it; a hash that already names another block is left to that one (two
-        requests computed the same prefix at once: the second copy stays unnamed)."""
-        if not self.caching:
+    def register(
+        self,
+        head: tuple[int, bytes],
+        blocks: list[int],
+        hashes: list[bytes] | None,
+        parent: bytes = b"",
+        tokens: list[int] | None = None,
+    ) -> None:
+        """Held, full blocks of one request, their KV sent, become reusable: `head` is the
+        request's first block and its hash, `blocks` the ones registered now, named by `hashes`
+        or, when those are not known yet, by hashing `tokens` (block_size per block) chained on
+        `parent`. Names are given when a lookup finds the head (module docstring). A hash that
+        already names another block is left to that one (two requests computed the same prefix
+        at once: the second copy stays unnamed)."""
+        if not self.caching or not blocks:
             return
-        by_hash, names = self._by_hash, self._hash
-        if by_hash.keys().isdisjoint(hashes) and not any(map(names.__getitem__, blocks)):
-            # the usual case, unnamed blocks of new content: the map in bulk (measured: this
-            # path is half the per-block loop's time, and it runs for every prompt block)
-            by_hash.update(zip(hashes, blocks, strict=True))
+        self._num_reusable += len(blocks)
+        head_block, head_hash = head
+        if head_hash not in self._by_hash and self._hash[head_block] is None:
+            self._by_hash[head_hash] = head_block
+            self._hash[head_block] = head_hash
+        fragment = (self._clock, blocks, hashes, parent, tokens)
+        waiting = self._pending.get(head_hash)
+        if waiting is None:
+            self._pending[head_hash] = [fragment]
+        else:
+            waiting.append(fragment)
+
+    def _name(self, head: bytes) -> None:
+        """Name the blocks of the fragments waiting under a head that no eviction has handed
+        out since they were filed."""
+        by_hash, names, stamp = self._by_hash, self._hash, self._stamp
+        for clock, blocks, hashes, parent, tokens in self._pending.pop(head):
+            if hashes is None:
+                hashes = chain_hashes(parent, tokens, self.block_size)
             for b, h in zip(blocks, hashes, strict=True):
-                names[b] = h
-            return
-        for b, h in zip(blocks, hashes, strict=True):
-            if names[b] is None and h not in by_hash:
-                by_hash[h] = b
-                names[b] = h
+                if stamp[b] <= clock and names[b] is None and h not in by_hash:
+                    by_hash[h] = b
+                    names[b] = h
 
     def check(self) -> None:
         """Assert invariants 1 and 5 (tests; walks every block)."""
-        empty, cached = set(self._empty), set(self._cached)
-        assert len(empty) == len(self._empty) and not (empty & cached)
-        assert 0 not in empty and 0 not in cached and self._ref[0] == 0
+        empty = set(self._empty)
+        assert len(empty) == len(self._empty)
+        live, stale = [], dict(self._stale)
+        for b in self._lru:  # replay eviction's view of the LRU
+            if stale.get(b):
+                stale[b] -= 1
+            else:
+                live.append(b)
+        assert not any(stale.values()), "a stale count without its entry"
+        assert len(live) == len(set(live)) == self._num_lru
+        live = set(live)
+        assert all(self._ref[b] == 0 for b in live)
+        assert not (empty & live)
+        assert 0 not in empty and 0 not in live and self._ref[0] == 0
         for b in range(1, self.num_blocks):
             held = self._ref[b] > 0
-            assert held + (b in empty) + (b in cached) == 1, f"KV block {b} in two places"
+            assert held + (b in empty) + (b in live) == 1, f"KV block {b} in two places"
             if b in empty:
-                assert self._hash[b] is None
-            if b in cached:
-                assert self._hash[b] is not None
+                assert self._hash[b] is None, f"KV block {b} is empty and named"
         assert sum(h is not None for h in self._hash) == len(self._by_hash)
         for h, b in self._by_hash.items():
             assert self._hash[b] == h
+        assert self._pending.keys() <= self._by_hash.keys(), "fragments wait under a named head"
+        assert len(live) <= self._num_reusable <= self.num_usable
 
 
 class SlotManager:

@@ -8,9 +8,11 @@ applied with array operations over the batch.
 
 Prefix caching (invariants in core/kv_blocks.py): a request taking a seat takes the longest
 cached chain of its tokens and starts computing at the first token past it; prompt blocks are
-named when the step that fills them is built, after this step's admissions, so a request never
-hits a block that the same step writes; all full blocks with known ids are named when a request
-leaves its slot (finished or preempted), so a preempted request usually finds its own KV again.
+registered (offered to the cache) when the step that fills them is built, after this step's
+admissions, so a request never hits a block that the same step writes; all full blocks with
+known ids are registered when a request leaves its slot (finished or preempted), so a preempted
+request usually finds its own KV again. The allocator names registered blocks only when a
+lookup asks (core/kv_blocks.py), so distinct prompts pay almost nothing for the cache.
 """
 
 from __future__ import annotations
@@ -185,9 +187,10 @@ class Scheduler:
             known = min(int(self.rb.computed[slot]), req.num_prompt + len(req.output_ids))
             n, first = min(known // self.blocks.block_size, len(req.blocks)), req.num_named
             if n > first:
-                self.blocks.register(req.blocks[first:n], self._hashes(req, n)[first:n])
+                self._register(req, first, n)
+                req.num_named = n
         self.rb.release(slot)
-        self.blocks.free(req.blocks)
+        self.blocks.free(req.blocks, req.num_named)
         req.blocks = []
         self.slots.free(slot)
 
@@ -323,10 +326,28 @@ class Scheduler:
         if max_blocks <= 0:
             return []
         # why the first block alone first: a miss there (the common case with no sharing)
-        # then costs one sha256, not the whole prompt's
-        if not self.blocks.lookup(self._hashes(req, 1)[:1]):
+        # then costs one dict probe (one sha256 without the frontend's hashes), not the
+        # whole prompt's hashing
+        if not self.blocks.has_head((req.block_hashes or self._hashes(req, 1))[0]):
             return []
         return self.blocks.lookup(self._hashes(req, max_blocks)[:max_blocks])
+
+    def _register(self, req: Request, first: int, last: int) -> None:
+        """Blocks first..last of a request, full and their KV sent, become reusable. Their
+        hashes are those the frontend sent for the prompt; blocks past them (outputs) go with
+        their tokens, hashed only if a lookup ever asks (kv_blocks: lazy names)."""
+        hashes = req.block_hashes
+        if len(hashes) < max(first, 1):  # the head and the parent: rare (no frontend hashes)
+            hashes = self._hashes(req, max(first, 1))
+        head = (req.blocks[0], hashes[0])
+        if len(hashes) >= last:
+            self.blocks.register(head, req.blocks[first:last], hashes[first:last])
+        else:
+            bs = self.blocks.block_size
+            root = self._roots.get(req.cache_salt) or self._root(req.cache_salt)
+            parent = hashes[first - 1] if first else root
+            tokens = req.known_tokens(first * bs, last * bs)
+            self.blocks.register(head, req.blocks[first:last], None, parent, tokens)
 
     def _hashes(self, req: Request, n: int) -> list[bytes]:
         """The request's chained block hashes, computed once each, at least n of them (the
@@ -366,9 +387,8 @@ class Scheduler:
             token_ids.extend(req.known_tokens(begin, end))
             self._charge_prompt(req, end)
             if caching and end // bs > begin // bs:  # blocks this step fills: cacheable once sent
-                first, last = begin // bs, end // bs
-                self.blocks.register(req.blocks[first:last], self._hashes(req, last)[first:last])
-                req.num_named = last
+                self._register(req, begin // bs, end // bs)
+                req.num_named = end // bs
         assert (take[~has_tokens] == 1).all(), "a device-fed entry has one token"
         new_count = rb.num_blocks[slots] - rb.num_sent[slots]
         new_blocks: list[int] = []

@@ -33,10 +33,10 @@ def test_unreferenced_blocks_stay_cached_and_are_evicted_least_recently_used():
     m = BlockManager(num_blocks=5, block_size=4)  # 4 usable
     h = [bytes([i]) * 32 for i in range(4)]
     first, second = m.allocate(2), m.allocate(2)
-    m.register(first, h[:2])
-    m.register(second, h[2:])
-    m.free(first)
-    m.free(second)
+    m.register((first[0], h[0]), first, h[:2])
+    m.register((second[0], h[2]), second, h[2:])
+    m.free(first, 2)
+    m.free(second, 2)
     m.check()
     assert m.num_free == 4 and m.num_cached_free == 4
     assert m.lookup(h[:2]) == first and m.lookup([h[1]]) == [first[1]]
@@ -46,7 +46,7 @@ def test_unreferenced_blocks_stay_cached_and_are_evicted_least_recently_used():
     assert got == [first[1], first[0]] and m.num_evictions == 2
     assert m.lookup(h[:2]) == [], "an evicted block's name is gone"
     m.check()
-    m.free(got)
+    m.free(got)  # not registered again
     assert m.num_free == 3 and m.num_cached_free == 1, "evicted blocks come back empty"
 
 
@@ -54,25 +54,74 @@ def test_references_are_counted_and_a_second_copy_stays_unnamed():
     m = BlockManager(num_blocks=4, block_size=4)
     h = [b"x" * 32]
     (a,) = m.allocate(1)
-    m.register([a], h)
+    m.register((a, h[0]), [a], h)
     m.take([a])  # a second request shares it
-    m.free([a])
+    m.free([a], 1)
     assert m.num_free == 2, "still held by one request"
     (b,) = m.allocate(1)  # the same content computed again elsewhere
-    m.register([b], h)
+    m.register((b, h[0]), [b], h)
     assert m.lookup(h) == [a]
-    m.free([a])
-    m.free([b])
-    assert m.num_cached_free == 1 and m.num_free == 3
+    m.free([a], 1)
+    m.free([b], 1)
+    # the copy is reusable but never named (a lookup finds `a`); it waits in the LRU for its turn
+    assert m.num_free == 3 and m.lookup(h) == [a] and m._hash[b] is None
     with pytest.raises(AssertionError, match="double free"):
-        m.free([b])
+        m.free([b], 1)
+    m.check()
+
+
+def test_names_wait_for_a_lookup_of_their_head_and_skip_blocks_evicted_meanwhile():
+    m = BlockManager(num_blocks=6, block_size=2)  # 5 usable
+    root = hash_root("m", "")
+    tokens = [1, 2, 3, 4, 5, 6]
+    h = chain_hashes(root, tokens, 2)
+    blocks = m.allocate(3)
+    m.register((blocks[0], h[0]), blocks[:1], h[:1])
+    m.register((blocks[0], h[0]), blocks[1:], None, h[0], tokens[2:])  # hashed only if asked
+    assert m._hash[blocks[1]] is None and m._hash[blocks[2]] is None, "only the head is named"
+    m.free(blocks, 3)
+    m.check()
+    m.allocate(2)  # the empty ones
+    (evicted,) = m.allocate(1)  # then the oldest in the LRU: the tail
+    assert evicted == blocks[2] and m.num_evictions == 1
+    m.check()
+    assert m.lookup(h) == blocks[:2], "the fragment names what was not handed out since"
+    assert m._hash[evicted] is None
+    m.check()
+
+
+def test_evicting_a_head_drops_the_fragments_waiting_under_it():
+    m = BlockManager(num_blocks=3, block_size=2)  # 2 usable
+    h = chain_hashes(hash_root("m", ""), [1, 2, 3, 4], 2)
+    blocks = m.allocate(2)
+    m.register((blocks[0], h[0]), blocks, h)
+    m.free(blocks, 2)
+    assert m.allocate(2) == [blocks[1], blocks[0]]
+    assert not m._pending and not m._by_hash and m.lookup(h) == []
+    m.check()
+
+
+def test_lru_entries_left_stale_by_hits_are_compacted_in_order():
+    m = BlockManager(num_blocks=4, block_size=2)  # 3 usable
+    h = [bytes([i]) * 32 for i in range(3)]
+    blocks = m.allocate(3)
+    for b, x in zip(blocks, h, strict=True):
+        m.register((b, x), [b], [x])
+    for b in reversed(blocks):  # LRU: blocks[2], blocks[1], blocks[0]
+        m.free([b], 1)
+    for _ in range(10):  # a hot block, taken and freed again and again
+        m.take(m.lookup(h[2:]))
+        m.free([blocks[2]], 1)
+    assert len(m._lru) <= 2 * m.num_blocks, "stale entries are dropped, not kept forever"
+    m.check()
+    assert m.allocate(3) == [blocks[1], blocks[0], blocks[2]], "least recently used first"
     m.check()
 
 
 def test_caching_off_names_nothing():
     m = BlockManager(num_blocks=4, block_size=4, caching=False)
     blocks = m.allocate(2)
-    m.register(blocks, [b"a" * 32, b"b" * 32])
+    m.register((blocks[0], b"a" * 32), blocks, [b"a" * 32, b"b" * 32])
     m.free(blocks)
     assert m.num_cached == 0 and m.lookup([b"a" * 32]) == []
 
@@ -410,3 +459,17 @@ def test_the_frontends_hashes_are_the_ones_the_core_computes():
     )
     s.schedule()
     assert given.num_cached_prompt == 20
+
+
+def test_the_overhead_bench_compares_the_same_tokens(default_gguf, capsys):
+    from gapless.bench.core_overhead import main
+
+    main(["--requests", "12", "--prompt-len", "96", "--max-tokens", "4", "--runs", "1",
+          "--sim-time-scale", "0.01", "--kv-blocks", "64"])  # fmt: skip
+    out = capsys.readouterr().out
+    off, on = (line for line in out.splitlines() if line.startswith("caching"))
+    assert "hit tokens 0," in off and "hit tokens 0," in on, out
+    assert "evictions 0," in off and "evictions 0," not in on, "64 blocks: caching on evicts"
+    same = off.split(", evictions")[0].split(": ", 1)[1]  # steps, prefill and hit tokens
+    assert same == on.split(", evictions")[0].split(": ", 1)[1], out
+    assert "on / off, mean host ms per step:" in out
