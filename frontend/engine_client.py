@@ -1,7 +1,7 @@
 """The frontend's side of the engine: send AddRequest / Abort, fan TextDeltas out per request.
 
-One listener task reads the frontend's return socket and hands each TextDelta to the queue of
-the request it belongs to; `generate` yields from that queue and aborts on early exit.
+One listener task reads the frontend's return socket and hands each TextDelta to the inbox of
+the request it belongs to; `generate` yields from that inbox and aborts on early exit.
 """
 
 from __future__ import annotations
@@ -35,12 +35,13 @@ from gapless.core.common.messages import (
 )
 from gapless.core.common.process import CORE_IN, frontend_socket
 from gapless.frontend import metrics
+from gapless.frontend.inbox import IDLE as _IDLE
+from gapless.frontend.inbox import Inbox
 from gapless.frontend.queue_view import QueueView, Ticket
 
 log = logging.getLogger("gapless.frontend")
 
-_DEAD = object()  # queue sentinel: the engine died while the request was in flight
-_IDLE = object()  # queue sentinel: keepalive_s passed without a delta
+_DEAD = object()  # inbox marker: the engine died while the request was in flight
 
 
 def _joined(a: TextDelta, b: TextDelta) -> TextDelta:
@@ -111,9 +112,9 @@ class EngineClient:
         self.healthy = True
         self.dead_reason = ""
         self._send = send
-        # engine id -> queue of (delta, perf_counter when its TextDeltas arrived), _DEAD or
-        # a StreamCut
-        self._queues: dict[str, asyncio.Queue[tuple[TextDelta, float] | object]] = {}
+        # engine id -> inbox of (delta, perf_counter when its TextDeltas arrived), _DEAD, IDLE
+        # or a StreamCut
+        self._queues: dict[str, Inbox] = {}
         self._counter = itertools.count()
         self._replies: dict[int, asyncio.Future] = {}  # token -> answer of the core
         self._on_dead: list[Callable[[str], None]] = []
@@ -141,13 +142,14 @@ class EngineClient:
                     rid = delta.request_id
                     if unstarted and rid in unstarted:  # its first delta: no longer queued
                         unstarted.pop(rid).leave(started=bool(delta.token_ids))
-                    queue = queues.get(rid)
-                    if queue is None:  # the request was aborted here already
+                    inbox = queues.get(rid)
+                    if inbox is None:  # the request was aborted here already
                         continue
-                    if queue.qsize() < self.max_pending:
-                        queue.put_nowait((delta, received))
-                    elif queue.qsize() == self.max_pending:  # once; later deltas are dropped
-                        self._overflow(rid, queue)
+                    waiting = len(inbox)
+                    if waiting < self.max_pending:
+                        inbox.put_delta((delta, received), received)
+                    elif waiting == self.max_pending:  # once; later deltas are dropped
+                        self._overflow(rid, inbox)
             case QueueState():
                 self.queue.update(msg)
             case Heartbeat():
@@ -159,21 +161,21 @@ class EngineClient:
                 if waiter is not None and not waiter.done():
                     waiter.set_result(msg)
 
-    def _overflow(self, rid: str, queue: asyncio.Queue) -> None:
+    def _overflow(self, rid: str, inbox: Inbox) -> None:
         """A request's client stopped reading: free its KV now, end its stream when its
         handler looks next."""
         log.warning("request %s: %d deltas unsent, its client is not reading; aborting it",
                     rid, self.max_pending)  # fmt: skip
         metrics.observer.slow_client("buffer")
-        queue.put_nowait(Overflow(f"the client left {self.max_pending} events unread"))
+        inbox.put(Overflow(f"the client left {self.max_pending} events unread"))
         self._send(Abort([rid]))
 
     def cut_all(self, reason: str) -> int:
         """End every request in flight here with StreamCut(reason); returns how many."""
-        queues = {id(q): q for q in self._queues.values()}.values()
-        for queue in queues:
-            queue.put_nowait(StreamCut(reason))
-        return len(queues)
+        inboxes = {id(q): q for q in self._queues.values()}.values()
+        for inbox in inboxes:
+            inbox.put(StreamCut(reason))
+        return len(inboxes)
 
     def mark_dead(self, reason: str) -> None:
         """The engine is gone: every request in flight and every later one fails."""
@@ -188,8 +190,8 @@ class EngineClient:
         self.dead_reason = (
             reason.strip().splitlines()[0] if reason.strip() else "the engine stopped"
         )
-        for queue in {id(q): q for q in self._queues.values()}.values():
-            queue.put_nowait(_DEAD)
+        for inbox in {id(q): q for q in self._queues.values()}.values():
+            inbox.put(_DEAD)
         for waiter in self._replies.values():
             if not waiter.done():
                 waiter.set_exception(EngineDeadError(self.dead_reason))
@@ -229,7 +231,6 @@ class EngineClient:
         """
         if not self.healthy:
             raise EngineDeadError(self.dead_reason)
-        queue: asyncio.Queue[tuple[TextDelta, float] | object] = asyncio.Queue()
         ids = [f"{request_id}-{i}" for i in range(len(params))]
         index = {rid: i for i, rid in enumerate(ids)}
         running = set(ids)
@@ -239,8 +240,9 @@ class EngineClient:
             ticket.set_prompt(len(prompt_token_ids))
         assert ticket.num_queued == len(params), "a ticket for another number of choices"
         unstarted = self.queue.unstarted
+        inbox = Inbox(asyncio.get_running_loop(), keepalive_s)
         for rid in ids:
-            self._queues[rid] = queue
+            self._queues[rid] = inbox
             unstarted[rid] = ticket
         try:
             prompts = choice_prompts or [prompt_token_ids] * len(params)
@@ -260,16 +262,15 @@ class EngineClient:
                         block_hashes=named,
                     )
                 )
-            loop = asyncio.get_running_loop()
             while running:
-                if keepalive_s > 0 and queue.empty():
-                    timer = loop.call_later(keepalive_s, queue.put_nowait, _IDLE)
-                    items = [await queue.get()]
-                    timer.cancel()
-                else:
-                    items = [await queue.get()]
-                while not queue.empty():  # the consumer fell behind: take all that waits
-                    items.append(queue.get_nowait())
+                # more than one item: the consumer fell behind, it takes all that waited
+                items = await inbox.take()
+                if len(items) == 1 and type(items[0]) is tuple:  # the usual step: one delta
+                    delta, self.last_received = items[0]  # type: ignore[misc]
+                    if delta.finish_reason is not None:
+                        running.discard(delta.request_id)
+                    yield index[delta.request_id], delta
+                    continue
                 deltas = [item for item in items if isinstance(item, tuple)]
                 for delta, self.last_received in _coalesced(deltas):
                     if delta.finish_reason is not None:
@@ -283,6 +284,7 @@ class EngineClient:
                 if not deltas and running and any(item is _IDLE for item in items):
                     yield IDLE  # type: ignore[misc]
         finally:
+            inbox.close()
             for rid in ids:
                 self._queues.pop(rid, None)
                 unstarted.pop(rid, None)

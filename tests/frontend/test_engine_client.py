@@ -23,6 +23,7 @@ from gapless.core.common.messages import (
 )
 from gapless.core.common.process import CORE_IN, frontend_socket
 from gapless.frontend.engine_client import EngineClient, EngineDeadError, ZmqEngineClient
+from gapless.frontend.inbox import Inbox
 
 PARAMS = SamplingParams(max_tokens=4)
 
@@ -193,7 +194,8 @@ async def test_zmq_engine_client_round_trip(make_config, tmp_path) -> None:
 def test_bench_fanout_step(benchmark, batch: int) -> None:
     """One step's TextDeltas (one delta per in-flight request), decoded and fanned out."""
     client, _ = _client()
-    queues: list[asyncio.Queue] = [asyncio.Queue() for _ in range(batch)]
+    loop = asyncio.new_event_loop()
+    queues = [Inbox(loop) for _ in range(batch)]
     for i, q in enumerate(queues):
         client._queues[f"3-{i}-0"] = q
     deltas = [TextDelta(f"3-{i}-0", " word", [1234], 100, 7) for i in range(batch)]
@@ -202,14 +204,14 @@ def test_bench_fanout_step(benchmark, batch: int) -> None:
 
     def drain() -> None:
         for q in queues:
-            while not q.empty():
-                q.get_nowait()
+            q._items.clear()
 
     def step() -> None:
         client.dispatch(decoder.decode(frame))
 
     benchmark.pedantic(step, setup=drain, rounds=200, warmup_rounds=5)
-    assert all(q.qsize() == 1 for q in queues)
-    got = [q.get_nowait()[0] for q in queues]  # (delta, received) items
+    loop.close()
+    assert all(len(q) == 1 for q in queues)
+    got = [q._items[0][0] for q in queues]  # (delta, received) items
     assert [d.request_id for d in got] == [f"3-{i}-0" for i in range(batch)]  # each to its own
     assert all(d.text == " word" and d.token_ids == [1234] for d in got)
