@@ -44,23 +44,27 @@ log = logging.getLogger("gapless.frontend")
 _DEAD = object()  # inbox marker: the engine died while the request was in flight
 
 
-def _joined(a: TextDelta, b: TextDelta) -> TextDelta:
-    """Two deltas of one engine request, in order, as one."""
+def _joined(deltas: list[TextDelta]) -> TextDelta:
+    """Deltas of one engine request, in order, as one (copied once, however many)."""
+    first, last = deltas[0], deltas[-1]
     logprobs = None
-    if a.logprobs is not None or b.logprobs is not None:
-        logprobs = (a.logprobs or []) + (b.logprobs or [])
+    if any(d.logprobs is not None for d in deltas):
+        logprobs = [lp for d in deltas if d.logprobs for lp in d.logprobs]
+    prompt_logprobs = next(
+        (d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None
+    )
     return TextDelta(
-        a.request_id,
-        a.text + b.text,
-        a.token_ids + b.token_ids,
-        b.num_prompt_tokens,
-        b.num_output_tokens,
-        b.finish_reason,
+        first.request_id,
+        "".join([d.text for d in deltas]),
+        [t for d in deltas for t in d.token_ids],
+        last.num_prompt_tokens,
+        last.num_output_tokens,
+        last.finish_reason,
         logprobs,
-        b.error,
-        b.code,
-        num_cached_tokens=b.num_cached_tokens,
-        prompt_logprobs=a.prompt_logprobs if a.prompt_logprobs is not None else b.prompt_logprobs,
+        last.error,
+        last.code,
+        num_cached_tokens=last.num_cached_tokens,
+        prompt_logprobs=prompt_logprobs,
     )
 
 
@@ -72,13 +76,17 @@ def _coalesced(items: list[tuple[TextDelta, float]]) -> list[tuple[TextDelta, fl
     A consumer that keeps up takes one item at a time and this changes nothing; one that fell
     behind (a slow client, a busy event loop) sends one SSE event per choice for everything
     that waited instead of one per step, which is what lets it catch up."""
-    merged: dict[str, tuple[TextDelta, float]] = {}
-    for delta, received in items:
-        prev = merged.get(delta.request_id)
-        merged[delta.request_id] = (
-            (delta, received) if prev is None else (_joined(prev[0], delta), prev[1])
-        )
-    return list(merged.values())
+    groups: dict[str, list[tuple[TextDelta, float]]] = {}
+    for item in items:
+        group = groups.get(item[0].request_id)
+        if group is None:
+            groups[item[0].request_id] = [item]
+        else:
+            group.append(item)
+    return [
+        group[0] if len(group) == 1 else (_joined([d for d, _ in group]), group[0][1])
+        for group in groups.values()
+    ]
 
 
 class EngineDeadError(Exception):
@@ -350,8 +358,20 @@ class ZmqEngineClient(EngineClient):
         self._listener.add_done_callback(self._listener_done)
 
     async def _listen(self) -> None:
+        receiver = self._receiver
+        burst = max(1, self.max_pending // 4)
         while True:
-            self.dispatch(await self._receiver.recv())
+            self.dispatch(await receiver.recv())
+            # why: a frame already here makes recv() return without yielding, so a frontend
+            # that fell behind would dispatch its whole backlog before any stream wrote,
+            # the streams' unsent deltas passing max_pending as if their clients had stopped
+            # reading. Frames that wait are dispatched a burst at a time, then every stream
+            # writes what came as one event.
+            for _ in range(burst - 1):
+                if not receiver.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    break
+                self.dispatch(await receiver.recv())
+            await asyncio.sleep(0)
 
     def _listener_done(self, task: asyncio.Task[None]) -> None:
         if not task.cancelled() and task.exception() is not None:
