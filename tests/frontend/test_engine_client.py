@@ -215,3 +215,35 @@ def test_bench_fanout_step(benchmark, batch: int) -> None:
     got = [q._items[0][0] for q in queues]  # (delta, received) items
     assert [d.request_id for d in got] == [f"3-{i}-0" for i in range(batch)]  # each to its own
     assert all(d.text == " word" and d.token_ids == [1234] for d in got)
+
+
+@pytest.mark.anyio
+async def test_a_backlog_of_frames_reaches_the_streams_in_bursts(make_config, tmp_path) -> None:
+    """A frontend that fell behind its socket lets the streams write between bursts of frames,
+    so their unsent deltas stay under max_pending: nobody is aborted as a slow reader."""
+    config = make_config(run_dir=str(tmp_path), stream_buffer_events=8)
+    ctx = zmq.Context()
+    actx = zmq.asyncio.Context()
+    core_in: AsyncReceiver[CoreInput] = AsyncReceiver(actx, config.ipc(CORE_IN), CoreInput)
+    client = ZmqEngineClient(config, 1, ctx)
+    to_front: Sender[FrontendInput] = Sender(ctx, config.ipc(frontend_socket(1)))
+    try:
+        stream = client.generate("1-0", [5, 6], SamplingParams(max_tokens=50))
+        first = asyncio.ensure_future(anext(stream))
+        await asyncio.wait_for(core_in.recv(), 2)  # the AddRequest
+        for n in range(1, 51):  # 50 steps queued on the socket before the listener reads any
+            to_front.send(TextDeltas([_delta("1-0-0", n, "length" if n == 50 else None)]))
+        await asyncio.sleep(0.2)
+        client.start()
+        got = [await asyncio.wait_for(first, 2)]
+        async for delta in stream:
+            got.append(delta)
+        assert "".join(d.text for d in got) == "".join(f"t{n}" for n in range(1, 51))
+        assert got[-1].finish_reason == "length"
+        assert len(got) < 50  # what waited came joined
+    finally:
+        await client.close()
+        to_front.close()
+        core_in.close()
+        actx.term()
+        ctx.term()
