@@ -103,6 +103,9 @@ class Overflow(StreamCut):
 
 
 IDLE = (-1, None)  # what generate_n yields after keepalive_s without a delta
+# s: the longest the listener dispatches frames that waited before the streams write; bounds
+# how long a stream goes without an event while its frontend is behind
+BURST_S = 0.01
 
 
 class EngineClient:
@@ -365,12 +368,15 @@ class ZmqEngineClient(EngineClient):
             # why: a frame already here makes recv() return without yielding, so a frontend
             # that fell behind would dispatch its whole backlog before any stream wrote,
             # the streams' unsent deltas passing max_pending as if their clients had stopped
-            # reading. Frames that wait are dispatched a burst at a time, then every stream
-            # writes what came as one event.
+            # reading. Frames that wait are dispatched a burst at a time (at most a quarter
+            # of max_pending, or BURST_S), then every stream writes what came as one event.
+            until = time.perf_counter() + BURST_S
             for _ in range(burst - 1):
                 if not receiver.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
                     break
                 self.dispatch(await receiver.recv())
+                if time.perf_counter() > until:
+                    break
             await asyncio.sleep(0)
 
     def _listener_done(self, task: asyncio.Task[None]) -> None:
