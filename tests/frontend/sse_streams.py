@@ -14,6 +14,7 @@ the time per step, for py-spy.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import socket
 import sys
@@ -129,6 +130,8 @@ class LiveStreams:
         while len(self.added) < self.num_streams:
             assert time.monotonic() < deadline, f"{len(self.added)} of {self.num_streams} started"
             await asyncio.sleep(0.001)
+        gc.collect()  # as the served frontend does once started (frontend/server.py)
+        gc.freeze()
 
     def frame(self) -> bytes:
         """One step's TextDeltas for every stream, as the listener receives it."""
@@ -184,6 +187,7 @@ class LiveStreams:
         for _ in range(10):
             await asyncio.sleep(0)
         metrics.set_observer(metrics.RequestObserver())
+        gc.unfreeze()
 
 
 def _main() -> None:  # pragma: no cover - a profiling entry
