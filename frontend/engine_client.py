@@ -273,26 +273,31 @@ class EngineClient:
                         block_hashes=named,
                     )
                 )
+            one_choice = len(ids) == 1
             while running:
-                # more than one item: the consumer fell behind, it takes all that waited
-                items = await inbox.take()
-                if len(items) == 1 and type(items[0]) is tuple:  # the usual step: one delta
-                    delta, self.last_received = items[0]  # type: ignore[misc]
+                # more than one delta: the consumer fell behind, it takes all that waited
+                deltas, marks = await inbox.take()
+                if len(deltas) == 1:  # the usual step: one delta
+                    delta, self.last_received = deltas[0]
                     if delta.finish_reason is not None:
                         running.discard(delta.request_id)
                     yield index[delta.request_id], delta
-                    continue
-                deltas = [item for item in items if isinstance(item, tuple)]
-                for delta, self.last_received in _coalesced(deltas):
-                    if delta.finish_reason is not None:
-                        running.discard(delta.request_id)
-                    yield index[delta.request_id], delta
-                for item in items:
-                    if item is _DEAD:
+                elif deltas:
+                    joined = (
+                        [(_joined([d for d, _ in deltas]), deltas[0][1])]
+                        if one_choice
+                        else _coalesced(deltas)
+                    )
+                    for delta, self.last_received in joined:
+                        if delta.finish_reason is not None:
+                            running.discard(delta.request_id)
+                        yield index[delta.request_id], delta
+                for mark in marks:
+                    if mark is _DEAD:
                         raise EngineDeadError(self.dead_reason)
-                    if isinstance(item, StreamCut):
-                        raise item
-                if not deltas and running and any(item is _IDLE for item in items):
+                    if isinstance(mark, StreamCut):
+                        raise mark
+                if not deltas and running and _IDLE in marks:
                     yield IDLE  # type: ignore[misc]
         finally:
             inbox.close()

@@ -204,7 +204,7 @@ def test_bench_fanout_step(benchmark, batch: int) -> None:
 
     def drain() -> None:
         for q in queues:
-            q._items.clear()
+            q._deltas.clear()
 
     def step() -> None:
         client.dispatch(decoder.decode(frame))
@@ -212,7 +212,7 @@ def test_bench_fanout_step(benchmark, batch: int) -> None:
     benchmark.pedantic(step, setup=drain, rounds=200, warmup_rounds=5)
     loop.close()
     assert all(len(q) == 1 for q in queues)
-    got = [q._items[0][0] for q in queues]  # (delta, received) items
+    got = [q._deltas[0][0] for q in queues]  # (delta, received) items
     assert [d.request_id for d in got] == [f"3-{i}-0" for i in range(batch)]  # each to its own
     assert all(d.text == " word" and d.token_ids == [1234] for d in got)
 
