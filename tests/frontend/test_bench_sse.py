@@ -2,7 +2,8 @@
 
 Skipped as a timing unless run with `--benchmark-enable`:
 `pytest tests/frontend/test_bench_sse.py --benchmark-enable`. The target at 256 streams is
-300 us per step on a quiet machine (docs/architecture.md, "The host floor").
+300 us per step on a quiet machine (docs/architecture.md, "Streaming at the host floor", says
+why one write per stream per step cannot reach it here).
 """
 
 from __future__ import annotations
