@@ -179,6 +179,7 @@ class EngineClient:
                     rid, self.max_pending)  # fmt: skip
         metrics.observer.slow_client("buffer")
         inbox.put(Overflow(f"the client left {self.max_pending} events unread"))
+        self._queues.pop(rid, None)  # the steps still in flight for it are dropped
         self._send(Abort([rid]))
 
     def cut_all(self, reason: str) -> int:

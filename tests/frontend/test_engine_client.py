@@ -22,7 +22,12 @@ from gapless.core.common.messages import (
     TokenLogprob,
 )
 from gapless.core.common.process import CORE_IN, frontend_socket
-from gapless.frontend.engine_client import EngineClient, EngineDeadError, ZmqEngineClient
+from gapless.frontend.engine_client import (
+    EngineClient,
+    EngineDeadError,
+    Overflow,
+    ZmqEngineClient,
+)
 from gapless.frontend.inbox import Inbox
 
 PARAMS = SamplingParams(max_tokens=4)
@@ -247,3 +252,18 @@ async def test_a_backlog_of_frames_reaches_the_streams_in_bursts(make_config, tm
         core_in.close()
         actx.term()
         ctx.term()
+
+
+@pytest.mark.anyio
+async def test_an_overflow_aborts_once_however_many_deltas_follow() -> None:
+    sent: list[CoreInput] = []
+    client = EngineClient(3, sent.append, max_pending=4)
+    stream = client.generate("3-0", [1], PARAMS)
+    first = asyncio.ensure_future(anext(stream))
+    await asyncio.sleep(0)
+    for n in range(1, 11):  # the handler does not run meanwhile: 4 wait, then steps in flight
+        client.dispatch(TextDeltas([_delta("3-0-0", n)]))
+    assert [m for m in sent if isinstance(m, Abort)] == [Abort(["3-0-0"])]
+    assert (await first).text == "t1t2t3t4"  # what waited is still written, then the cut
+    with pytest.raises(Overflow):
+        await anext(stream)
