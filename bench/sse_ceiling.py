@@ -32,6 +32,14 @@ import msgspec
 import uvloop
 
 from gapless.bench.launch import free_port
+from gapless.core.common.channel import Sender
+from gapless.core.common.config import CONFIG_ENV, EngineConfig, encode_config
+from gapless.core.common.messages import Shutdown
+from gapless.core.common.metrics import MULTIPROC_ENV
+from gapless.core.common.model_cache import default_model_path
+from gapless.core.common.model_files import resolve_model
+from gapless.core.common.process import CORE_IN
+from gapless.core.launch.supervisor import Supervisor, make_run_dir
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -146,12 +154,6 @@ def _cpu_s(pid: int) -> float:
 
 def measure(api_servers: int, streams: int, output_len: int, step_ms: float) -> Run:
     """One run: a flood and N frontends up, the clients' requests at once, everything down."""
-    from gapless.core.common.config import EngineConfig
-    from gapless.core.common.messages import Shutdown
-    from gapless.core.common.model_cache import default_model_path
-    from gapless.core.common.model_files import resolve_model
-    from gapless.core.launch.supervisor import Supervisor, make_run_dir
-
     config = EngineConfig(
         model=resolve_model(str(default_model_path())),
         served_model_name="flood",
@@ -177,9 +179,6 @@ def measure(api_servers: int, streams: int, output_len: int, step_ms: float) -> 
         cpu0, client0 = sum(_cpu_s(pid) for pid in fronts), time.process_time()
         results = uvloop.run(run_clients(config.port, "flood", streams, output_len))
         cpu1, client1 = sum(_cpu_s(pid) for pid in fronts), time.process_time()
-        from gapless.core.common.channel import Sender
-        from gapless.core.common.process import CORE_IN
-
         stop: Sender = Sender(sup.ctx, config.ipc(CORE_IN))
         stop.send(Shutdown())
         stop.socket.close(linger=500)
@@ -194,10 +193,7 @@ def measure(api_servers: int, streams: int, output_len: int, step_ms: float) -> 
     )
 
 
-def _child_env(config, metrics_dir: str) -> dict[str, str]:
-    from gapless.core.common.config import CONFIG_ENV, encode_config
-    from gapless.core.common.metrics import MULTIPROC_ENV
-
+def _child_env(config: EngineConfig, metrics_dir: str) -> dict[str, str]:
     return {CONFIG_ENV: encode_config(config), MULTIPROC_ENV: metrics_dir}
 
 
