@@ -7,6 +7,7 @@ bench --launch --tenants noisy-neighbor --plot-dir figs -- --device sim
 bench --launch --workload prefix:1024:32-128:64 --workload chat:32:4:64:64:1 -- --device sim
 bench plot --from a.json b.json --plot-dir figs
 bench host-floor --batches 64,256 --plot-dir figs   (the shortest sim step the host keeps fed)
+bench sse-ceiling --streams 256 --api-servers 1,2   (tokens/s the frontends deliver, engine no limit)
 """
 
 from __future__ import annotations
@@ -194,6 +195,11 @@ def main(argv: list[str] | None = None) -> None:
         from gapless.bench.host_floor import main as host_floor_main
 
         host_floor_main(argv[1:])
+        return
+    if argv[:1] == ["sse-ceiling"]:
+        from gapless.bench.sse_ceiling import main as sse_ceiling_main
+
+        sse_ceiling_main(argv[1:])
         return
     if argv[:1] == ["plot"]:
         args = build_plot_parser().parse_args(argv[1:])

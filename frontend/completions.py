@@ -61,6 +61,8 @@ class CompletionChunks:
         self._offsets = [0] * n  # characters sent so far, per choice
         self._echoed = echoed  # per choice: the prompt text sent first
         self._first_tokens = first_tokens  # per choice: the prompt's first token, with logprobs
+        # per choice: a text-only chunk's bytes around its text (ChatChunks._split says why)
+        self._around: list[tuple[bytes, bytes] | None] = [None] * n
 
     def opening(self, index: int, first: TextDelta) -> bytes | None:
         if self._echoed is None:
@@ -74,6 +76,9 @@ class CompletionChunks:
         return encoder.encode(self._chunk([CompletionChoice(index, text, logprobs)]))
 
     def delta(self, index: int, delta: TextDelta) -> bytes:
+        if not self._logprobs and delta.finish_reason is None:  # the usual chunk: text only
+            around = self._around[index] or self._split(index)
+            return around[0] + encoder.encode(delta.text) + around[1]
         logprobs = None
         if self._logprobs:
             logprobs = completion_logprobs(delta.logprobs or [], self._offsets[index])
@@ -83,6 +88,13 @@ class CompletionChunks:
 
     def usage(self, usage: Usage) -> bytes:
         return encoder.encode(self._chunk([], usage))
+
+    def _split(self, index: int) -> tuple[bytes, bytes]:
+        whole = encoder.encode(self._chunk([CompletionChoice(index, "")]))
+        head, marker, tail = whole.rpartition(b'"text":""')
+        assert marker, whole
+        self._around[index] = around = (head + b'"text":', tail)
+        return around
 
     def _chunk(self, choices: list[CompletionChoice], usage: Usage | None = None) -> Completion:
         rid, created, model = self._head

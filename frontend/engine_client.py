@@ -1,7 +1,7 @@
 """The frontend's side of the engine: send AddRequest / Abort, fan TextDeltas out per request.
 
-One listener task reads the frontend's return socket and hands each TextDelta to the queue of
-the request it belongs to; `generate` yields from that queue and aborts on early exit.
+One listener task reads the frontend's return socket and hands each TextDelta to the inbox of
+the request it belongs to; `generate` yields from that inbox and aborts on early exit.
 """
 
 from __future__ import annotations
@@ -35,31 +35,36 @@ from gapless.core.common.messages import (
 )
 from gapless.core.common.process import CORE_IN, frontend_socket
 from gapless.frontend import metrics
+from gapless.frontend.inbox import IDLE as _IDLE
+from gapless.frontend.inbox import Inbox
 from gapless.frontend.queue_view import QueueView, Ticket
 
 log = logging.getLogger("gapless.frontend")
 
-_DEAD = object()  # queue sentinel: the engine died while the request was in flight
-_IDLE = object()  # queue sentinel: keepalive_s passed without a delta
+_DEAD = object()  # inbox marker: the engine died while the request was in flight
 
 
-def _joined(a: TextDelta, b: TextDelta) -> TextDelta:
-    """Two deltas of one engine request, in order, as one."""
+def _joined(deltas: list[TextDelta]) -> TextDelta:
+    """Deltas of one engine request, in order, as one (copied once, however many)."""
+    first, last = deltas[0], deltas[-1]
     logprobs = None
-    if a.logprobs is not None or b.logprobs is not None:
-        logprobs = (a.logprobs or []) + (b.logprobs or [])
+    if any(d.logprobs is not None for d in deltas):
+        logprobs = [lp for d in deltas if d.logprobs for lp in d.logprobs]
+    prompt_logprobs = next(
+        (d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None
+    )
     return TextDelta(
-        a.request_id,
-        a.text + b.text,
-        a.token_ids + b.token_ids,
-        b.num_prompt_tokens,
-        b.num_output_tokens,
-        b.finish_reason,
+        first.request_id,
+        "".join([d.text for d in deltas]),
+        [t for d in deltas for t in d.token_ids],
+        last.num_prompt_tokens,
+        last.num_output_tokens,
+        last.finish_reason,
         logprobs,
-        b.error,
-        b.code,
-        num_cached_tokens=b.num_cached_tokens,
-        prompt_logprobs=a.prompt_logprobs if a.prompt_logprobs is not None else b.prompt_logprobs,
+        last.error,
+        last.code,
+        num_cached_tokens=last.num_cached_tokens,
+        prompt_logprobs=prompt_logprobs,
     )
 
 
@@ -71,13 +76,17 @@ def _coalesced(items: list[tuple[TextDelta, float]]) -> list[tuple[TextDelta, fl
     A consumer that keeps up takes one item at a time and this changes nothing; one that fell
     behind (a slow client, a busy event loop) sends one SSE event per choice for everything
     that waited instead of one per step, which is what lets it catch up."""
-    merged: dict[str, tuple[TextDelta, float]] = {}
-    for delta, received in items:
-        prev = merged.get(delta.request_id)
-        merged[delta.request_id] = (
-            (delta, received) if prev is None else (_joined(prev[0], delta), prev[1])
-        )
-    return list(merged.values())
+    groups: dict[str, list[tuple[TextDelta, float]]] = {}
+    for item in items:
+        group = groups.get(item[0].request_id)
+        if group is None:
+            groups[item[0].request_id] = [item]
+        else:
+            group.append(item)
+    return [
+        group[0] if len(group) == 1 else (_joined([d for d, _ in group]), group[0][1])
+        for group in groups.values()
+    ]
 
 
 class EngineDeadError(Exception):
@@ -94,6 +103,9 @@ class Overflow(StreamCut):
 
 
 IDLE = (-1, None)  # what generate_n yields after keepalive_s without a delta
+# s: the longest the listener dispatches frames that waited before the streams write; bounds
+# how long a stream goes without an event while its frontend is behind
+BURST_S = 0.01
 
 
 class EngineClient:
@@ -111,9 +123,9 @@ class EngineClient:
         self.healthy = True
         self.dead_reason = ""
         self._send = send
-        # engine id -> queue of (delta, perf_counter when its TextDeltas arrived), _DEAD or
-        # a StreamCut
-        self._queues: dict[str, asyncio.Queue[tuple[TextDelta, float] | object]] = {}
+        # engine id -> inbox of (delta, perf_counter when its TextDeltas arrived), _DEAD, IDLE
+        # or a StreamCut
+        self._queues: dict[str, Inbox] = {}
         self._counter = itertools.count()
         self._replies: dict[int, asyncio.Future] = {}  # token -> answer of the core
         self._on_dead: list[Callable[[str], None]] = []
@@ -141,13 +153,14 @@ class EngineClient:
                     rid = delta.request_id
                     if unstarted and rid in unstarted:  # its first delta: no longer queued
                         unstarted.pop(rid).leave(started=bool(delta.token_ids))
-                    queue = queues.get(rid)
-                    if queue is None:  # the request was aborted here already
+                    inbox = queues.get(rid)
+                    if inbox is None:  # the request was aborted here already
                         continue
-                    if queue.qsize() < self.max_pending:
-                        queue.put_nowait((delta, received))
-                    elif queue.qsize() == self.max_pending:  # once; later deltas are dropped
-                        self._overflow(rid, queue)
+                    waiting = len(inbox)
+                    if waiting < self.max_pending:
+                        inbox.put_delta((delta, received), received)
+                    elif waiting == self.max_pending:  # once; later deltas are dropped
+                        self._overflow(rid, inbox)
             case QueueState():
                 self.queue.update(msg)
             case Heartbeat():
@@ -159,21 +172,22 @@ class EngineClient:
                 if waiter is not None and not waiter.done():
                     waiter.set_result(msg)
 
-    def _overflow(self, rid: str, queue: asyncio.Queue) -> None:
+    def _overflow(self, rid: str, inbox: Inbox) -> None:
         """A request's client stopped reading: free its KV now, end its stream when its
         handler looks next."""
         log.warning("request %s: %d deltas unsent, its client is not reading; aborting it",
                     rid, self.max_pending)  # fmt: skip
         metrics.observer.slow_client("buffer")
-        queue.put_nowait(Overflow(f"the client left {self.max_pending} events unread"))
+        inbox.put(Overflow(f"the client left {self.max_pending} events unread"))
+        self._queues.pop(rid, None)  # the steps still in flight for it are dropped
         self._send(Abort([rid]))
 
     def cut_all(self, reason: str) -> int:
         """End every request in flight here with StreamCut(reason); returns how many."""
-        queues = {id(q): q for q in self._queues.values()}.values()
-        for queue in queues:
-            queue.put_nowait(StreamCut(reason))
-        return len(queues)
+        inboxes = {id(q): q for q in self._queues.values()}.values()
+        for inbox in inboxes:
+            inbox.put(StreamCut(reason))
+        return len(inboxes)
 
     def mark_dead(self, reason: str) -> None:
         """The engine is gone: every request in flight and every later one fails."""
@@ -188,8 +202,8 @@ class EngineClient:
         self.dead_reason = (
             reason.strip().splitlines()[0] if reason.strip() else "the engine stopped"
         )
-        for queue in {id(q): q for q in self._queues.values()}.values():
-            queue.put_nowait(_DEAD)
+        for inbox in {id(q): q for q in self._queues.values()}.values():
+            inbox.put(_DEAD)
         for waiter in self._replies.values():
             if not waiter.done():
                 waiter.set_exception(EngineDeadError(self.dead_reason))
@@ -229,7 +243,6 @@ class EngineClient:
         """
         if not self.healthy:
             raise EngineDeadError(self.dead_reason)
-        queue: asyncio.Queue[tuple[TextDelta, float] | object] = asyncio.Queue()
         ids = [f"{request_id}-{i}" for i in range(len(params))]
         index = {rid: i for i, rid in enumerate(ids)}
         running = set(ids)
@@ -239,8 +252,9 @@ class EngineClient:
             ticket.set_prompt(len(prompt_token_ids))
         assert ticket.num_queued == len(params), "a ticket for another number of choices"
         unstarted = self.queue.unstarted
+        inbox = Inbox(asyncio.get_running_loop(), keepalive_s)
         for rid in ids:
-            self._queues[rid] = queue
+            self._queues[rid] = inbox
             unstarted[rid] = ticket
         try:
             prompts = choice_prompts or [prompt_token_ids] * len(params)
@@ -260,29 +274,34 @@ class EngineClient:
                         block_hashes=named,
                     )
                 )
-            loop = asyncio.get_running_loop()
+            one_choice = len(ids) == 1
             while running:
-                if keepalive_s > 0 and queue.empty():
-                    timer = loop.call_later(keepalive_s, queue.put_nowait, _IDLE)
-                    items = [await queue.get()]
-                    timer.cancel()
-                else:
-                    items = [await queue.get()]
-                while not queue.empty():  # the consumer fell behind: take all that waits
-                    items.append(queue.get_nowait())
-                deltas = [item for item in items if isinstance(item, tuple)]
-                for delta, self.last_received in _coalesced(deltas):
+                # more than one delta: the consumer fell behind, it takes all that waited
+                deltas, marks = await inbox.take()
+                if len(deltas) == 1:  # the usual step: one delta
+                    delta, self.last_received = deltas[0]
                     if delta.finish_reason is not None:
                         running.discard(delta.request_id)
                     yield index[delta.request_id], delta
-                for item in items:
-                    if item is _DEAD:
+                elif deltas:
+                    joined = (
+                        [(_joined([d for d, _ in deltas]), deltas[0][1])]
+                        if one_choice
+                        else _coalesced(deltas)
+                    )
+                    for delta, self.last_received in joined:
+                        if delta.finish_reason is not None:
+                            running.discard(delta.request_id)
+                        yield index[delta.request_id], delta
+                for mark in marks:
+                    if mark is _DEAD:
                         raise EngineDeadError(self.dead_reason)
-                    if isinstance(item, StreamCut):
-                        raise item
-                if not deltas and running and any(item is _IDLE for item in items):
+                    if isinstance(mark, StreamCut):
+                        raise mark
+                if not deltas and running and _IDLE in marks:
                     yield IDLE  # type: ignore[misc]
         finally:
+            inbox.close()
             for rid in ids:
                 self._queues.pop(rid, None)
                 unstarted.pop(rid, None)
@@ -348,8 +367,23 @@ class ZmqEngineClient(EngineClient):
         self._listener.add_done_callback(self._listener_done)
 
     async def _listen(self) -> None:
+        receiver = self._receiver
+        burst = max(1, self.max_pending // 4)
         while True:
-            self.dispatch(await self._receiver.recv())
+            self.dispatch(await receiver.recv())
+            # why: a frame already here makes recv() return without yielding, so a frontend
+            # that fell behind would dispatch its whole backlog before any stream wrote,
+            # the streams' unsent deltas passing max_pending as if their clients had stopped
+            # reading. Frames that wait are dispatched a burst at a time (at most a quarter
+            # of max_pending, or BURST_S), then every stream writes what came as one event.
+            until = time.perf_counter() + BURST_S
+            for _ in range(burst - 1):
+                if not receiver.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    break
+                self.dispatch(await receiver.recv())
+                if time.perf_counter() > until:
+                    break
+            await asyncio.sleep(0)
 
     def _listener_done(self, task: asyncio.Task[None]) -> None:
         if not task.cancelled() and task.exception() is not None:

@@ -182,9 +182,10 @@ async def _deltas(
                     elif last[index]:
                         observer.delta(now - last[index], len(delta.token_ids))
                     last[index] = now
-                error = failure(delta, state.admission)
-                if error is not None:
-                    raise error
+                if delta.finish_reason is not None:
+                    error = failure(delta, state.admission)
+                    if error is not None:
+                        raise error
                 outputs[index] = delta.num_output_tokens
                 reason = delta.finish_reason or reason
                 yield index, delta

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import signal
 import socket
@@ -159,6 +160,11 @@ async def serve(
         loop.call_later(config.dead_engine_grace_s, setattr, server, "should_exit", True)
 
     engine.on_dead(exit_soon)
+    # why: what startup made (tokenizer, templates, modules: ~45k objects) stays for good;
+    # frozen, the collections that every step's allocations set off no longer walk it (with
+    # 256 streams' deltas waiting, collection was 40% of dispatch and halved with this)
+    gc.collect()
+    gc.freeze()
     sock = bind_socket(config.host, config.port)
     watcher = loop.create_task(server.watch_parent(), name="parent-watch")
     try:

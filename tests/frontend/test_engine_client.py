@@ -22,7 +22,13 @@ from gapless.core.common.messages import (
     TokenLogprob,
 )
 from gapless.core.common.process import CORE_IN, frontend_socket
-from gapless.frontend.engine_client import EngineClient, EngineDeadError, ZmqEngineClient
+from gapless.frontend.engine_client import (
+    EngineClient,
+    EngineDeadError,
+    Overflow,
+    ZmqEngineClient,
+)
+from gapless.frontend.inbox import Inbox
 
 PARAMS = SamplingParams(max_tokens=4)
 
@@ -193,7 +199,8 @@ async def test_zmq_engine_client_round_trip(make_config, tmp_path) -> None:
 def test_bench_fanout_step(benchmark, batch: int) -> None:
     """One step's TextDeltas (one delta per in-flight request), decoded and fanned out."""
     client, _ = _client()
-    queues: list[asyncio.Queue] = [asyncio.Queue() for _ in range(batch)]
+    loop = asyncio.new_event_loop()
+    queues = [Inbox(loop) for _ in range(batch)]
     for i, q in enumerate(queues):
         client._queues[f"3-{i}-0"] = q
     deltas = [TextDelta(f"3-{i}-0", " word", [1234], 100, 7) for i in range(batch)]
@@ -202,14 +209,61 @@ def test_bench_fanout_step(benchmark, batch: int) -> None:
 
     def drain() -> None:
         for q in queues:
-            while not q.empty():
-                q.get_nowait()
+            q._deltas.clear()
 
     def step() -> None:
         client.dispatch(decoder.decode(frame))
 
     benchmark.pedantic(step, setup=drain, rounds=200, warmup_rounds=5)
-    assert all(q.qsize() == 1 for q in queues)
-    got = [q.get_nowait()[0] for q in queues]  # (delta, received) items
+    loop.close()
+    assert all(len(q) == 1 for q in queues)
+    got = [q._deltas[0][0] for q in queues]  # (delta, received) items
     assert [d.request_id for d in got] == [f"3-{i}-0" for i in range(batch)]  # each to its own
     assert all(d.text == " word" and d.token_ids == [1234] for d in got)
+
+
+@pytest.mark.anyio
+async def test_a_backlog_of_frames_reaches_the_streams_in_bursts(make_config, tmp_path) -> None:
+    """A frontend that fell behind its socket lets the streams write between bursts of frames,
+    so their unsent deltas stay under max_pending: nobody is aborted as a slow reader."""
+    config = make_config(run_dir=str(tmp_path), stream_buffer_events=8)
+    ctx = zmq.Context()
+    actx = zmq.asyncio.Context()
+    core_in: AsyncReceiver[CoreInput] = AsyncReceiver(actx, config.ipc(CORE_IN), CoreInput)
+    client = ZmqEngineClient(config, 1, ctx)
+    to_front: Sender[FrontendInput] = Sender(ctx, config.ipc(frontend_socket(1)))
+    try:
+        stream = client.generate("1-0", [5, 6], SamplingParams(max_tokens=50))
+        first = asyncio.ensure_future(anext(stream))
+        await asyncio.wait_for(core_in.recv(), 2)  # the AddRequest
+        for n in range(1, 51):  # 50 steps queued on the socket before the listener reads any
+            to_front.send(TextDeltas([_delta("1-0-0", n, "length" if n == 50 else None)]))
+        await asyncio.sleep(0.2)
+        client.start()
+        got = [await asyncio.wait_for(first, 2)]
+        async for delta in stream:
+            got.append(delta)
+        assert "".join(d.text for d in got) == "".join(f"t{n}" for n in range(1, 51))
+        assert got[-1].finish_reason == "length"
+        assert len(got) < 50  # what waited came joined
+    finally:
+        await client.close()
+        to_front.close()
+        core_in.close()
+        actx.term()
+        ctx.term()
+
+
+@pytest.mark.anyio
+async def test_an_overflow_aborts_once_however_many_deltas_follow() -> None:
+    sent: list[CoreInput] = []
+    client = EngineClient(3, sent.append, max_pending=4)
+    stream = client.generate("3-0", [1], PARAMS)
+    first = asyncio.ensure_future(anext(stream))
+    await asyncio.sleep(0)
+    for n in range(1, 11):  # the handler does not run meanwhile: 4 wait, then steps in flight
+        client.dispatch(TextDeltas([_delta("3-0-0", n)]))
+    assert [m for m in sent if isinstance(m, Abort)] == [Abort(["3-0-0"])]
+    assert (await first).text == "t1t2t3t4"  # what waited is still written, then the cut
+    with pytest.raises(Overflow):
+        await anext(stream)
