@@ -3,6 +3,7 @@
 python -m gapless.bench.cpu_step --batch 1 --steps 64
 python -m gapless.bench.cpu_step --batch 1 --hogs 2          # quiet, then two `nice -n 19` loops
 python -m gapless.bench.cpu_step --batch 32 -- --dtype float32 --threads 1
+python -m gapless.bench.cpu_step --batch 32 -- --no-compile    # the eager decode step
 
 Plans go straight to a ModelRunner (no scheduler, no HTTP): B streams prefill `--prompt` token
 ids each, then decode `--steps` steps together; the figure is the median decode step. Anything
@@ -163,7 +164,8 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"runner ready in {time.perf_counter() - start:.1f} s (--cpu-wait {config.cpu_wait}, "
         f"--threads {config.threads}, --dtype {config.dtype}, --quantization "
-        f"{config.quantization}); load {os.getloadavg()}",
+        f"{config.quantization}, {'compiled' if runner.compiled else 'eager'} decode); "
+        f"load {os.getloadavg()}",
         flush=True,
     )
     decode_steps(runner, args.batch, args.prompt, 4)  # warm-up

@@ -61,7 +61,7 @@ def compile_layer() -> Callable:
     )
 
 
-def warm_up(prime: Callable[[int], None], sizes: tuple[int, ...] = WARM_SIZES) -> float:
+def warm_up(prime: Callable[[int], None], sizes: list[int]) -> float:
     """Compile (or load from the cache) by running prime(size) for each size; seconds taken."""
     from tqdm import tqdm
 

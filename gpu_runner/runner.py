@@ -140,7 +140,8 @@ class ModelRunner:
         self.prompt_ids: dict[int, np.ndarray] = {}
         self.last_seq = 0
         if self.compiled:
-            compiled.warm_up(self.prime_decode)
+            sizes = [s for s in compiled.WARM_SIZES if s in self.graphs.sizes]
+            compiled.warm_up(self.prime_decode, sizes)
 
     @torch.inference_mode()
     def prime_decode(self, size: int) -> None:
