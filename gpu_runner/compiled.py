@@ -6,14 +6,13 @@ One compiled function serves every layer (its weights are inputs) and every padd
 size: the batch and the context are dynamic dimensions. Sizes of 1 are specialized by the
 compiler, so a batch of one and batches of two or more are two compilations; both are made
 at start, before the runner reports ready. Compiled code is cached on disk (inductor's FX
-graph cache under `<cache dir>/inductor`), so a warm start only traces. Prefill chunks and
+graph cache under `<cache dir>/inductor`, set in gpu_runner/__init__.py), so a warm start only traces. Prefill chunks and
 mixed steps stay eager.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import sys
 import time
 import types
@@ -23,16 +22,7 @@ import torch
 
 log = logging.getLogger("gapless.gpu_runner")
 
-CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 WARM_SIZES = (1, 2)  # batch sizes that compile: 1 is specialized, 2 stands for every larger one
-
-
-def use_cache_dir() -> str:
-    """Point inductor's on-disk cache into gapless's cache directory, unless already set;
-    must run before the first compilation."""
-    from gapless.core.common.model_cache import cache_dir
-
-    return os.environ.setdefault(CACHE_ENV, str(cache_dir() / "inductor"))
 
 
 def run_layer(layer, x, cos, sin, kv, meta) -> torch.Tensor:
@@ -63,10 +53,10 @@ def compile_layer() -> Callable:
 
 def warm_up(prime: Callable[[int], None], sizes: list[int]) -> float:
     """Compile (or load from the cache) by running prime(size) for each size; seconds taken."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
     from tqdm import tqdm
 
-    cache = use_cache_dir()
-    log.info("compiling the cpu decode step (cache %s)", cache)
+    log.info("compiling the cpu decode step (cache %s)", cache_dir())
     start = time.perf_counter()
     bar = tqdm(sizes, desc="compiling decode step", unit="shape", file=sys.stderr,
                leave=False, disable=not sys.stderr.isatty())  # fmt: skip
