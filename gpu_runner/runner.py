@@ -141,7 +141,15 @@ class ModelRunner:
         self.last_seq = 0
         if self.compiled:
             sizes = [s for s in compiled.WARM_SIZES if s in self.graphs.sizes]
-            compiled.warm_up(self.prime_decode, sizes)
+            try:
+                compiled.warm_up(self.prime_decode, sizes)
+            except Exception as e:  # why: no C++ compiler (a slim image) must not stop serving
+                compiled.log.warning(
+                    "cannot compile the cpu decode step, running it eagerly (--no-compile "
+                    "skips trying): %s: %s", type(e).__name__, str(e).splitlines()[0][:300],
+                )  # fmt: skip
+                self.compiled = False
+                self.graphs.forward = self.forward
 
     @torch.inference_mode()
     def prime_decode(self, size: int) -> None:

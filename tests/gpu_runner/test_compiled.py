@@ -66,3 +66,18 @@ def test_compiled_and_eager_fp32_agree_on_the_default_model(default_gguf):
             assert {1, 8} <= set(sizes), sizes
     assert outputs[True] == outputs[False]
     assert "Paris" in tok.decode(outputs[True]["solo"])
+
+
+def test_a_failed_compile_falls_back_to_eager(tiny_model_dir, reference, monkeypatch, caplog):  # noqa: F811
+    from gapless.gpu_runner import compiled
+
+    def no_compiler(prime, sizes):
+        raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found")
+
+    monkeypatch.setattr(compiled, "warm_up", no_compiler)
+    prompts, want = reference
+    h = Harness(make_config(tiny_model_dir, compile=True))
+    assert not h.backend.compiled
+    assert "running it eagerly" in caplog.text and "InvalidCxxCompiler" in caplog.text
+    got = h.run({0: [("r0", prompts[0], GREEDY)]})
+    assert got["r0"] == want[0]
