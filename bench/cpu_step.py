@@ -3,6 +3,7 @@
 python -m gapless.bench.cpu_step --batch 1 --steps 64
 python -m gapless.bench.cpu_step --batch 1 --hogs 2          # quiet, then two `nice -n 19` loops
 python -m gapless.bench.cpu_step --batch 32 -- --dtype float32 --threads 1
+python -m gapless.bench.cpu_step --batch 32 -- --no-compile    # the eager decode step
 
 Plans go straight to a ModelRunner (no scheduler, no HTTP): B streams prefill `--prompt` token
 ids each, then decode `--steps` steps together; the figure is the median decode step. Anything
@@ -153,6 +154,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--hogs", type=int, default=0, help="also time each run with N nice 19 busy loops"
     )
+    p.add_argument(
+        "--eager-too",
+        action="store_true",
+        help="also time the eager step (--no-compile) in this process, runs interleaved",
+    )
     args = p.parse_args(ours)
     config = runner_config(serve_args, args.batch, args.prompt)
     set_wait_policy(config.cpu_wait)  # as the runner process does, before torch loads
@@ -163,26 +169,48 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"runner ready in {time.perf_counter() - start:.1f} s (--cpu-wait {config.cpu_wait}, "
         f"--threads {config.threads}, --dtype {config.dtype}, --quantization "
-        f"{config.quantization}); load {os.getloadavg()}",
+        f"{config.quantization}, {'compiled' if runner.compiled else 'eager'} decode); "
+        f"load {os.getloadavg()}",
         flush=True,
     )
-    decode_steps(runner, args.batch, args.prompt, 4)  # warm-up
-    conditions = ["quiet"] + ([f"{args.hogs} hogs"] if args.hogs else [])
+    runners = {"": runner}
+    if args.eager_too:
+        import msgspec
+
+        runners = {
+            "compiled ": runner,
+            "eager ": ModelRunner(msgspec.structs.replace(config, compile=False)),
+        }
+    for r in runners.values():
+        decode_steps(r, args.batch, args.prompt, 4)  # warm-up
+    conditions = [
+        f"{name}{c}"
+        for c in ["quiet"] + ([f"{args.hogs} hogs"] if args.hogs else [])
+        for name in runners
+    ]
     medians: dict[str, list[float]] = {c: [] for c in conditions}
     for _ in range(args.runs):
         for cond in conditions:
-            with hogs(args.hogs if cond != "quiet" else 0):
-                times, _ = decode_steps(runner, args.batch, args.prompt, args.steps)
+            r = runners[next(n for n in runners if cond.startswith(n))]
+            with hogs(args.hogs if not cond.endswith("quiet") else 0):
+                times, _ = decode_steps(r, args.batch, args.prompt, args.steps)
             medians[cond].append(statistics.median(times))
     for cond, ms in medians.items():
         step = statistics.median(ms)
         print(
-            f"{cond:>8}: decode step {step * 1e3:8.2f} ms median of {args.runs} runs "
+            f"{cond:>17}: decode step {step * 1e3:8.2f} ms median of {args.runs} runs "
             f"({', '.join(f'{m * 1e3:.1f}' for m in ms)}), {args.batch / step:8.1f} tok/s"
         )
-    if args.hogs:
-        ratio = statistics.median(medians["quiet"]) / statistics.median(medians[conditions[1]])
-        print(f"contended / quiet decode speed: {ratio:.2f}")
+    for name in runners:
+        quiet = statistics.median(medians[f"{name}quiet"])
+        if args.hogs:
+            contended = statistics.median(medians[f"{name}{args.hogs} hogs"])
+            print(f"{name}contended / quiet decode speed: {quiet / contended:.2f}")
+    if args.eager_too:
+        ratio = statistics.median(medians["eager quiet"]) / statistics.median(
+            medians["compiled quiet"]
+        )
+        print(f"compiled / eager decode speed (quiet): {ratio:.2f}")
     print(f"load {os.getloadavg()}")
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -136,13 +137,17 @@ class LlamaModel(nn.Module):
         self,
         input_ids: torch.Tensor,  # [T] long
         positions: torch.Tensor,  # [T] long
-        kv_cache: torch.Tensor,  # [layers, 2, R, KVH, d]
+        kv_cache,  # per layer (K, V), each [R, KVH, d]; or a [layers, 2, R, KVH, d] tensor
         meta: AttentionMeta,
         logit_rows: torch.Tensor,  # [B] long: rows whose next-token logits are wanted
+        run_layer: Callable | None = None,  # (layer, x, cos, sin, kv, meta) -> x, e.g. compiled
     ) -> torch.Tensor:  # [B, vocab] float32
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rope(positions, x.dtype)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, kv_cache[i], meta)
+            if run_layer is None:
+                x = layer(x, cos, sin, kv_cache[i], meta)
+            else:
+                x = run_layer(layer, x, cos, sin, kv_cache[i], meta)
         x = self.model.norm(x.index_select(0, logit_rows))
         return self.lm_head(x).float()

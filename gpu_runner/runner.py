@@ -7,6 +7,8 @@ changes only the attention backend, the graph capture and how results come back 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from functools import partial
 
 import numpy as np
 import torch
@@ -20,7 +22,8 @@ from gapless.core.common.messages import (
     StepTiming,
 )
 from gapless.core.common.model_files import ModelArch, load_arch, load_tokenizer
-from gapless.gpu_runner.attention import AttentionMeta, TorchAttention
+from gapless.gpu_runner import compiled
+from gapless.gpu_runner.attention import AttentionMeta, StepLayout, TorchAttention
 from gapless.gpu_runner.batch import (
     FED_IDS,
     FED_POSITIONS,
@@ -89,16 +92,16 @@ class ModelRunner:
         self.num_blocks = num_kv_blocks(arch, config, self.dtype)
         assert self.num_blocks >= 2, "--kv-cache-memory holds less than one KV block"
         rows = self.num_blocks * config.block_size
-        # [layers, K|V, rows, kv_heads, head_dim]; per layer and K or V, flashinfer's NHD pages
-        self.kv_cache = torch.zeros(
-            arch.num_layers,
-            2,
-            rows,
-            arch.num_kv_heads,
-            arch.head_dim,
-            dtype=self.dtype,
-            device=self.device,
-        )
+        # per layer (K, V), each [rows, kv_heads, head_dim]: flashinfer's NHD pages. why not
+        # one tensor: a compiled step mutates its inputs in place only when none is a view
+        self.kv_cache = [
+            tuple(
+                torch.zeros(rows, arch.num_kv_heads, arch.head_dim, dtype=self.dtype,
+                            device=self.device)
+                for _ in range(2)
+            )
+            for _ in range(arch.num_layers)
+        ]  # fmt: skip
         self.max_blocks_per_seq = -(-config.model.max_model_len // config.block_size)
         sizes = capture_sizes(config.max_num_seqs)
         self.batch = PersistentBatch(
@@ -108,7 +111,11 @@ class ModelRunner:
             max(config.max_num_batched_tokens, sizes[-1]),
             self.device,
         )
-        self.graphs = DecodeGraphs(self.forward, sizes)
+        self.compiled = config.compile and self.use_graphs and self.device.type == "cpu"
+        forward = self.forward
+        if self.compiled:
+            forward = partial(self.forward, run_layer=compiled.compile_layer())
+        self.graphs = DecodeGraphs(forward, sizes)
         self.attn = self.make_attention()
         self.sampler = SamplerState(
             config.max_num_seqs,
@@ -132,6 +139,29 @@ class ModelRunner:
         self.prompt_top = np.zeros(config.max_num_seqs, dtype=np.int64)
         self.prompt_ids: dict[int, np.ndarray] = {}
         self.last_seq = 0
+        if self.compiled:
+            sizes = [s for s in compiled.WARM_SIZES if s in self.graphs.sizes]
+            try:
+                compiled.warm_up(self.prime_decode, sizes)
+            except Exception as e:  # why: no C++ compiler (a slim image) must not stop serving
+                compiled.log.warning(
+                    "cannot compile the cpu decode step, running it eagerly (--no-compile "
+                    "skips trying): %s: %s", type(e).__name__, str(e).splitlines()[0][:300],
+                )  # fmt: skip
+                self.compiled = False
+                self.graphs.forward = self.forward
+
+    @torch.inference_mode()
+    def prime_decode(self, size: int) -> None:
+        """One padded decode step of `size` dummies (token 0 at position 0, K/V into block 0),
+        through the graph layer; the runner's state is as before."""
+        self.batch.table[:size].zero_()
+        ones = np.ones(size, dtype=np.int64)
+        layout = StepLayout(ones, ones, np.zeros((size, 1), dtype=np.int64), self.batch.block_size)
+        self.graphs.run(size, self.attn.build(layout, self.batch.column(SLOT_MAPPING, size)))
+        for kv in self.kv_cache:  # why: block 0 is scratch, but leave no trace of the warm-up
+            for cache in kv:
+                cache[: self.batch.block_size].zero_()
 
     def make_attention(self):
         max_context = self.max_blocks_per_seq * self.config.block_size
@@ -184,7 +214,11 @@ class ModelRunner:
         return inp, meta
 
     def forward(
-        self, num_rows: int, meta: AttentionMeta, num_logits: int | None = None
+        self,
+        num_rows: int,
+        meta: AttentionMeta,
+        num_logits: int | None = None,
+        run_layer: Callable | None = None,
     ) -> torch.Tensor:  # [num_logits, vocab] float32
         """The model over the first num_rows rows of the static table; what the graphs hold."""
         fed = self.batch.column(IDS, num_rows)
@@ -192,7 +226,7 @@ class ModelRunner:
         input_ids = torch.where(fed >= 0, fed, from_device)  # [rows] long
         positions = self.batch.column(POSITIONS, num_rows)
         logit_rows = self.batch.column(LOGIT_ROWS, num_rows if num_logits is None else num_logits)
-        return self.model(input_ids, positions, self.kv_cache, meta, logit_rows)
+        return self.model(input_ids, positions, self.kv_cache, meta, logit_rows, run_layer)
 
     def run_model(self, inp: StepInputs, meta: AttentionMeta) -> torch.Tensor:
         """[B_s + P, vocab] float32 logits of the sampling entries in entry order, then of the

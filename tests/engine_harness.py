@@ -28,8 +28,13 @@ from gapless.gpu_runner.backend import Backend, make_backend
 
 
 def make_config(model_dir, **overrides) -> EngineConfig:
+    """fp32, one thread, eager (tests/gpu_runner/test_compiled.py covers the compiled step)."""
     base = EngineConfig(
-        model=resolve_model(str(model_dir)), served_model_name="tiny", dtype="float32", threads=1
+        model=resolve_model(str(model_dir)),
+        served_model_name="tiny",
+        dtype="float32",
+        threads=1,
+        compile=False,
     )
     return msgspec.structs.replace(base, **overrides)
 

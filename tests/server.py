@@ -23,7 +23,9 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, *args: str, startup_timeout: float = 180.0) -> None:
+    def __init__(self, *args: str, startup_timeout: float = 180.0, compile: bool = False) -> None:
+        """compile=False serves with --no-compile: a cold compile per server would cost the
+        suite minutes; tests/gpu_runner/test_compiled.py covers the compiled step."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -38,6 +40,7 @@ class Server:
                 str(self.port),
                 "--threads",
                 "1",
+                *([] if compile else ["--no-compile"]),
                 *args,
             ],
             cwd=ROOT,

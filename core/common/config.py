@@ -217,6 +217,14 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             extra={"off": "run cuda decode steps eagerly instead of replaying captured graphs"},
         ),
     ] = True
+    compile: Annotated[
+        bool,
+        msgspec.Meta(
+            description="compile the cpu device's decode step with torch.compile at start "
+            "(cached on disk under the cache directory)",
+            extra={"off": "run cpu decode steps eagerly instead of compiling them at start"},
+        ),
+    ] = True
     trace_file: Annotated[
         str | None, msgspec.Meta(description="write the device timeline as a Chrome trace here")
     ] = None

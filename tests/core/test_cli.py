@@ -52,6 +52,7 @@ FLAGS = {
     "--sim-profile": "h100-llama3-8b",
     "--sim-time-scale": "1.0",
     "--no-cuda-graph": "cuda graph on",
+    "--no-compile": "compile on",
     "--trace-file": None,
     "--host": "127.0.0.1",
     "--port": "8000",
