@@ -39,6 +39,8 @@ Invariants (tests/core/test_prefix_cache.py checks them after every step, overla
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable, Iterator
+from itertools import islice
 
 from gapless.core.common.block_hash import chain_hashes, hash_root
 
@@ -118,18 +120,8 @@ class BlockManager:
         lru = self._lru
         if not self._stale:  # no stale entries: the usual case, a bulk pop
             out = [lru.popleft() for _ in range(k)]
-        else:
-            stale = self._stale
-            out = []
-            while len(out) < k:
-                b = lru.popleft()
-                n = stale.get(b)
-                if n is None:
-                    out.append(b)
-                elif n == 1:
-                    del stale[b]
-                else:
-                    stale[b] = n - 1
+        else:  # pop until k live entries came out
+            out = list(islice(self._skip_stale(iter(lru.popleft, None)), k))
         self._num_lru -= k
         self._num_reusable -= k
         self.num_evictions += k
@@ -172,18 +164,22 @@ class BlockManager:
     def _compact(self) -> None:
         """Drop the LRU's stale entries (a long run of hits on blocks that are never evicted
         would grow it without bound)."""
+        live = list(self._skip_stale(self._lru))
+        assert not self._stale and len(live) == self._num_lru
+        self._lru = deque(live)
+
+    def _skip_stale(self, entries: Iterable[int]) -> Iterator[int]:
+        """The live ones of LRU entries taken oldest first, using up the stale counts of the
+        others (a block's stale entries all come before its live one)."""
         stale = self._stale
-        live = []
-        for b in self._lru:
+        for b in entries:
             n = stale.get(b)
             if n is None:
-                live.append(b)
+                yield b
             elif n == 1:
                 del stale[b]
             else:
                 stale[b] = n - 1
-        assert not stale and len(live) == self._num_lru
-        self._lru = deque(live)
 
     # prefix caching
 
