@@ -199,13 +199,14 @@ def _floats(text: str) -> tuple[float, ...]:
     return values
 
 
-def _ints(text: str) -> tuple[int, ...]:
+def positive_ints(text: str) -> tuple[int, ...]:
+    """An argparse type: integers of at least 1 joined by ','."""
     try:
         values = tuple(int(v) for v in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r}: want integers joined by ','") from None
     if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: each batch must be at least 1")
+        raise argparse.ArgumentTypeError(f"{text!r}: each must be at least 1")
     return values
 
 
@@ -216,7 +217,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Arguments after -- go to every gapless serve it starts.",
     )
     p.add_argument("--profile", default=DEFAULT_PROFILE, help=f"sim profile ({DEFAULT_PROFILE})")
-    p.add_argument("--batches", type=_ints, default=(64, 256), help="batch sizes (64,256)")
+    p.add_argument("--batches", type=positive_ints, default=(64, 256), help="batch sizes (64,256)")
     p.add_argument(
         "--scales",
         type=_floats,

@@ -31,6 +31,7 @@ import aiohttp
 import msgspec
 import uvloop
 
+from gapless.bench.host_floor import positive_ints
 from gapless.bench.launch import free_port
 from gapless.core.common.channel import Sender
 from gapless.core.common.config import CONFIG_ENV, EngineConfig, encode_config
@@ -254,16 +255,6 @@ def format_table(runs: list[Run]) -> str:
     return "\n".join(rows)
 
 
-def _counts(text: str) -> list[int]:
-    try:
-        counts = [int(x) for x in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a list of integers: {text!r}") from None
-    if not counts or min(counts) < 1:
-        raise argparse.ArgumentTypeError(f"each must be >= 1: {text!r}")
-    return counts
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="bench sse-ceiling",
@@ -280,7 +271,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--api-servers",
-        type=_counts,
+        type=positive_ints,
         default=[1, 2],
         metavar="N[,N...]",
         help="frontend processes, one run each (default: 1,2)",
