@@ -10,8 +10,8 @@ and none is empty.
 
 Names are given lazily, because at 0% hits naming every block is pure cost. When a request's
 blocks become reusable (`register`), only its first block (its *head*) is put in the map at
-once; the rest wait as a *fragment* filed under the head's hash (the blocks, their hashes or
-the tokens to hash, and the allocation clock). A lookup that finds a head names its waiting
+once; the rest wait as a *fragment* filed under the head's hash (the blocks, their hashes
+where known and the tokens to hash for the others, and the allocation clock). A lookup that finds a head names its waiting
 fragments first, and only then walks the chain. A lookup that misses the head (every lookup
 when prompts are distinct) costs one dict probe, and a fragment nobody asks for is dropped with
 its head when that is evicted. A fragment's block is named only if no allocation has handed it
@@ -23,8 +23,9 @@ Invariants (tests/core/test_prefix_cache.py checks them after every step, overla
 2. A block is registered, and so can be named, only once the steps that write its KV have all
    been sent to the runner. The runner runs plans in order, so any step that reads the block
    (a request that hits it is planned later) runs after those writes. The scheduler registers
-   prompt blocks when it builds the step that fills them and output blocks when the request
-   leaves its slot (their ids are known only then), and only positions whose ids are known.
+   a running request's blocks, as far as its planned steps (all sent) have filled them and
+   their ids are known, when a lookup finds a request of the same first block running, and
+   the rest when it leaves its slot.
 3. A block a request holds is never evicted: eviction takes only unreferenced blocks. A step in
    flight may still write a block its request has since left (preempted, finished); that block
    is either empty (not reusable) or registered with exactly what that step writes (2), and a
@@ -46,8 +47,8 @@ from gapless.core.common.block_hash import chain_hashes, hash_root
 
 __all__ = ["BlockManager", "SlotManager", "chain_hashes", "hash_root"]
 
-# (clock when filed, blocks, their hashes or None, parent hash, tokens to hash when None)
-Fragment = tuple[int, list[int], "list[bytes] | None", bytes, "list[int] | None"]
+# (clock when filed, blocks, the leading ones' hashes, the hash before the rest, their tokens)
+Fragment = tuple[int, list[int], list[bytes], bytes, "list[int] | None"]
 
 
 class BlockManager:
@@ -107,16 +108,16 @@ class BlockManager:
     def allocate(self, n: int) -> list[int]:
         """n blocks for new content, empty ones first, then the least recently used cached."""
         assert self.can_allocate(n), "allocate without can_allocate"
-        empty = self._empty
+        empty, ref = self._empty, self._ref
         out = [empty.popleft() for _ in range(min(n, len(empty)))]
-        if n > len(out):  # with a full cache (a server that has run a while) always
-            out += self._evict(n - len(out))
-        ref = self._ref
         for b in out:
             ref[b] = 1
+        if n > len(out):  # with a full cache (a server that has run a while) always
+            out += self._evict(n - len(out))
         return out
 
     def _evict(self, k: int) -> list[int]:
+        """k blocks out of the LRU, nameless and held once."""
         lru = self._lru
         if not self._stale:  # no stale entries: the usual case, a bulk pop
             out = [lru.popleft() for _ in range(k)]
@@ -126,8 +127,9 @@ class BlockManager:
         self._num_reusable -= k
         self.num_evictions += k
         self._clock = clock = self._clock + 1
-        stamp, names = self._stamp, self._hash
+        stamp, names, ref = self._stamp, self._hash, self._ref
         for b in out:
+            ref[b] = 1
             stamp[b] = clock
             h = names[b]
             if h is not None:  # invariant 5
@@ -227,9 +229,10 @@ class BlockManager:
         tokens: list[int] | None = None,
     ) -> None:
         """Held, full blocks of one request, their KV sent, become reusable: `head` is the
-        request's first block and its hash, `blocks` the ones registered now, named by `hashes`
-        or, when those are not known yet, by hashing `tokens` (block_size per block) chained on
-        `parent`. Names are given when a lookup finds the head (module docstring). A hash that
+        request's first block and its hash, `blocks` the ones registered now. `hashes` names
+        the leading ones; the rest, whose hashes are not known yet, are named by hashing
+        `tokens` (block_size per block) chained on `parent`, the hash of the block before
+        them. Names are given when a lookup finds the head (module docstring). A hash that
         already names another block is left to that one (two requests computed the same prefix
         at once: the second copy stays unnamed)."""
         if not self.caching or not blocks:
@@ -239,7 +242,7 @@ class BlockManager:
         if head_hash not in self._by_hash and self._hash[head_block] is None:
             self._by_hash[head_hash] = head_block
             self._hash[head_block] = head_hash
-        fragment = (self._clock, blocks, hashes, parent, tokens)
+        fragment = (self._clock, blocks, hashes or [], parent, tokens)
         waiting = self._pending.get(head_hash)
         if waiting is None:
             self._pending[head_hash] = [fragment]
@@ -251,8 +254,8 @@ class BlockManager:
         out since they were filed."""
         by_hash, names, stamp = self._by_hash, self._hash, self._stamp
         for clock, blocks, hashes, parent, tokens in self._pending.pop(head):
-            if hashes is None:
-                hashes = chain_hashes(parent, tokens, self.block_size)
+            if len(hashes) < len(blocks):
+                hashes = hashes + chain_hashes(parent, tokens, self.block_size)
             for b, h in zip(blocks, hashes, strict=True):
                 if stamp[b] <= clock and names[b] is None and h not in by_hash:
                     by_hash[h] = b

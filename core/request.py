@@ -76,6 +76,7 @@ class Request:
         "block_hashes",
         "num_cached_prompt",
         "num_named",
+        "head_hash",
         "started",
         "limit",
         "status",
@@ -104,6 +105,7 @@ class Request:
         self.block_hashes: list[bytes] = []  # chained hashes of its first full blocks (kv_blocks)
         self.num_cached_prompt = 0  # prompt tokens found in the prefix cache at its first seat
         self.num_named = 0  # leading blocks it holds that were offered to the cache by name
+        self.head_hash: bytes | None = None  # its first block's hash while filed as running
         self.limit = int(
             length_limit(len(msg.prompt_token_ids), msg.params.max_tokens, batch.max_model_len)
         )

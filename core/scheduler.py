@@ -7,12 +7,14 @@ counters live in arrays indexed by slot (core/running.py), so a decode step is p
 applied with array operations over the batch.
 
 Prefix caching (invariants in core/kv_blocks.py): a request taking a seat takes the longest
-cached chain of its tokens and starts computing at the first token past it; prompt blocks are
-registered (offered to the cache) when the step that fills them is built, after this step's
-admissions, so a request never hits a block that the same step writes; all full blocks with
-known ids are registered when a request leaves its slot (finished or preempted), so a preempted
-request usually finds its own KV again. The allocator names registered blocks only when a
-lookup asks (core/kv_blocks.py), so distinct prompts pay almost nothing for the cache.
+cached chain of its tokens and starts computing at the first token past it. A running request
+is filed under its first block's hash; a lookup of the same first block registers (offers to
+the cache) the blocks that its steps already planned have filled, so a request sharing a
+prefix with one still running finds it, and never a block that the step being planned writes.
+The rest of its full blocks with known ids are registered when it leaves its slot (finished or
+preempted), so a preempted request usually finds its own KV again. The allocator names
+registered blocks only when a lookup asks (core/kv_blocks.py). So distinct prompts pay one
+probe per lookup and one registration per request for the cache.
 """
 
 from __future__ import annotations
@@ -87,6 +89,8 @@ class Scheduler:
         self.prefix_caching = prefix_caching
         self._model_salt = model_salt
         self._roots: dict[str, bytes] = {}  # cache salt -> hash root
+        # running requests by their first block's hash: a lookup of it registers their blocks
+        self._running_heads: dict[bytes, list[Request]] = {}
         # prefix cache, over every admission (a recompute after preemption included)
         self.num_queried_tokens = 0  # tokens looked up
         self.num_hit_tokens = 0  # of which found cached
@@ -183,12 +187,15 @@ class Scheduler:
         self.running.remove(req)
         self._run_slots = None
         slot = req.slot
-        if self.prefix_caching:  # its full blocks whose ids are known and KV sent: cacheable
-            known = min(int(self.rb.computed[slot]), req.num_prompt + len(req.output_ids))
-            n, first = min(known // self.blocks.block_size, len(req.blocks)), req.num_named
-            if n > first:
-                self._register(req, first, n)
-                req.num_named = n
+        if self.prefix_caching:
+            if req.head_hash is not None:
+                peers = self._running_heads[req.head_hash]
+                if len(peers) == 1:
+                    del self._running_heads[req.head_hash]
+                else:
+                    peers.remove(req)
+                req.head_hash = None
+            self._register_sent(req)
         self.rb.release(slot)
         self.blocks.free(req.blocks, req.num_named)
         req.blocks = []
@@ -303,6 +310,13 @@ class Scheduler:
             num_cached += cached
             self.running.append(req)
             self._run_slots = None
+            if req.block_hashes and self.prefix_caching:
+                req.head_hash = head = req.block_hashes[0]
+                peers = self._running_heads.get(head)
+                if peers is None:
+                    self._running_heads[head] = [req]
+                else:
+                    peers.append(req)
             new = NewSlot(
                 slot=req.slot,
                 params=req.params,
@@ -328,26 +342,41 @@ class Scheduler:
         # why the first block alone first: a miss there (the common case with no sharing)
         # then costs one dict probe (one sha256 without the frontend's hashes), not the
         # whole prompt's hashing
-        if not self.blocks.has_head((req.block_hashes or self._hashes(req, 1))[0]):
+        head = (req.block_hashes or self._hashes(req, 1))[0]
+        running = self._running_heads.get(head)
+        if running is not None:
+            for peer in running:
+                self._register_sent(peer)
+        if not self.blocks.has_head(head):
             return []
         return self.blocks.lookup(self._hashes(req, max_blocks)[:max_blocks])
 
+    def _register_sent(self, req: Request) -> None:
+        """Register a request's full blocks that the steps planned so far (all sent) have
+        filled and whose token ids are known, past those it registered before."""
+        known = min(int(self.rb.computed[req.slot]), req.num_prompt + len(req.output_ids))
+        n, first = min(known // self.blocks.block_size, len(req.blocks)), req.num_named
+        if n > first:
+            self._register(req, first, n)
+            req.num_named = n
+
     def _register(self, req: Request, first: int, last: int) -> None:
-        """Blocks first..last of a request, full and their KV sent, become reusable. Their
-        hashes are those the frontend sent for the prompt; blocks past them (outputs) go with
+        """Blocks first..last of a request, full and their KV sent, become reusable. Those
+        the frontend's prompt hashes cover go with their hashes; the rest (outputs) with
         their tokens, hashed only if a lookup ever asks (kv_blocks: lazy names)."""
         hashes = req.block_hashes
         if len(hashes) < max(first, 1):  # the head and the parent: rare (no frontend hashes)
             hashes = self._hashes(req, max(first, 1))
         head = (req.blocks[0], hashes[0])
-        if len(hashes) >= last:
-            self.blocks.register(head, req.blocks[first:last], hashes[first:last])
+        named = hashes[first:last]
+        k = first + len(named)
+        if k == last:
+            self.blocks.register(head, req.blocks[first:last], named)
         else:
             bs = self.blocks.block_size
-            root = self._roots.get(req.cache_salt) or self._root(req.cache_salt)
-            parent = hashes[first - 1] if first else root
-            tokens = req.known_tokens(first * bs, last * bs)
-            self.blocks.register(head, req.blocks[first:last], None, parent, tokens)
+            parent = hashes[k - 1]  # k >= 1: the head's hash is known
+            tokens = req.known_tokens(k * bs, last * bs)
+            self.blocks.register(head, req.blocks[first:last], named, parent, tokens)
 
     def _hashes(self, req: Request, n: int) -> list[bytes]:
         """The request's chained block hashes, computed once each, at least n of them (the
@@ -380,15 +409,11 @@ class Scheduler:
         sample = start + take == rb.num_tokens(slots)
         has_tokens = start < rb.prefill_end[slots]
         token_ids: list[int] = []
-        bs, caching = self.blocks.block_size, self.prefix_caching
         for j in np.flatnonzero(has_tokens):  # prompt chunks and recomputes: a few per step
             req = rb.req[slots[j]]
             begin, end = int(start[j]), int(start[j] + take[j])
             token_ids.extend(req.known_tokens(begin, end))
             self._charge_prompt(req, end)
-            if caching and end // bs > begin // bs:  # blocks this step fills: cacheable once sent
-                self._register(req, begin // bs, end // bs)
-                req.num_named = end // bs
         assert (take[~has_tokens] == 1).all(), "a device-fed entry has one token"
         new_count = rb.num_blocks[slots] - rb.num_sent[slots]
         new_blocks: list[int] = []
