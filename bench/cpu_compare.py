@@ -1,0 +1,193 @@
+"""The cpu figures of bench/RESULTS.md ("CPU, the default model"), side by side in one run.
+
+python -m gapless.bench.cpu_compare --llama-server /path/to/llama-server
+python -m gapless.bench.cpu_compare --skip transformers -- --quantization int4
+
+One after another on the same cores, nothing else running (the machine's load average is
+printed with every figure, so a figure taken under load says so):
+1. 32 requests of 128:128 at once through HTTP: gapless (`gapless serve`, default settings
+   plus anything after `--`) against transformers' static `generate` on the same prompts
+   shape from the same GGUF (bf16 and fp32, the faster counts) and llama.cpp's `llama-server`
+   on the same GGUF with `-np 32`.
+2. One stream of 128:256 through HTTP: decode tokens/s (1 / TPOT) of gapless and llama-server.
+3. The decode step at batch 32 against the floor script's matmuls alone for the same format
+   (`bench.cpu_step` and `bench.floor`, in their own processes).
+4. One stream of 128:256 while two `nice -n 19` busy loops run, against the quiet figure of 2.
+Each HTTP run is `gapless bench` (token-id prompts, EOS ignored, streaming); the JSON of every
+run and the summary land in --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from gapless.bench.cpu_step import hogs
+from gapless.bench.floor import FORMATS
+from gapless.bench.launch import free_port, launched_server
+
+TARGETS = {  # figure -> (what, bound); checked as ratio >= bound
+    "32x128:128 gapless / transformers": 2.0,
+    "one stream gapless / llama-server": 1.0,
+    "32x128:128 gapless / llama-server -np 32": 3.0,
+    "batch-32 step floor / gapless": 1 / 1.5,
+    "one stream under 2 hogs / quiet": 0.4,
+}
+
+
+def _load() -> str:
+    return f"load {os.getloadavg()[0]:.1f}"
+
+
+def _python(module: str, *args: str) -> str:
+    """stdout of `python -m gapless.MODULE ARGS`, echoed."""
+    argv = [sys.executable, "-m", f"gapless.{module}", *args]
+    print("$", " ".join(argv[1:]), flush=True)
+    out = subprocess.run(argv, check=True, capture_output=True, text=True).stdout
+    print(out, end="", flush=True)
+    return out
+
+
+def _bench(url: str, name: str, workload: str, n: int, out: Path) -> dict:
+    """One `gapless bench` run against a server; its JSON run object."""
+    path = out / f"{name}-{workload.replace(':', 'x')}-n{n}.json"
+    _python("core.launch.cli", "bench", "--target", f"{name}={url}", "--workload", workload,
+            "--num-requests", str(n), "--no-progress", "--output-json", str(path))  # fmt: skip
+    return json.loads(path.read_text())
+
+
+def _decode_tok_s(run: dict) -> float:
+    """One stream's decode speed: 1 / its TPOT (first token excluded)."""
+    return 1e3 / run["tpot_ms"]["p50"]
+
+
+def _streams(url: str, name: str, out: Path, results: dict) -> None:
+    """Figures 1, 2 and 4 of one server: 32 at once, one stream, one stream under hogs."""
+    for n, workload in ((32, "128:128"), (1, "128:256")):
+        run = _bench(url, name, workload, n, out)
+        results[f"{name} {n}x{workload}"] = {
+            "output_tok_s": run["output_token_throughput"],
+            "decode_tok_s": _decode_tok_s(run) if n == 1 else None,
+            "ttft_p50_ms": run["ttft_ms"]["p50"],
+            "load": os.getloadavg()[0],
+        }
+    with hogs(2):
+        run = _bench(url, f"{name}-2hogs", "128:256", 1, out)
+    results[f"{name} 1x128:256 under 2 hogs"] = {"decode_tok_s": _decode_tok_s(run)}
+
+
+def _llama_server(binary: str, gguf: Path, parallel: int, threads: int):
+    port = free_port()
+    command = [binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+               "-t", str(threads), "-np", str(parallel), "-c", str(parallel * 512),
+               "--no-webui"]  # fmt: skip
+    return launched_server(command=command, port=port, startup_timeout_s=120)
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    ours, serve_args = (
+        (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
+    )
+    p = argparse.ArgumentParser(prog="python -m gapless.bench.cpu_compare", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--llama-server", help="a llama-server binary (llama.cpp); without it, skipped")
+    p.add_argument("--threads", type=int, default=os.cpu_count(), help="llama-server's -t")
+    p.add_argument("--format", choices=list(FORMATS), default="bf16",
+                   help="weight format of the floor and step figure (match the serve flags)")  # fmt: skip
+    p.add_argument("--skip", nargs="*", default=[], choices=["transformers", "floor"])
+    p.add_argument("--out", type=Path, default=Path("bench/results/cpu-compare"))
+    args = p.parse_args(ours)
+    from gapless.core.common.model_cache import default_model_path
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    gguf = default_model_path()
+    results: dict[str, dict] = {}
+    started = time.perf_counter()
+    print(f"gapless serve {' '.join(serve_args)}; {_load()}", flush=True)
+    with launched_server(serve_args) as url:
+        _streams(url, "gapless", args.out, results)
+    if args.llama_server:
+        with _llama_server(args.llama_server, gguf, 1, args.threads) as url:
+            run = _bench(url, "llama-server", "128:256", 1, args.out)
+            results["llama-server 1x128:256"] = {"decode_tok_s": _decode_tok_s(run)}
+            with hogs(2):
+                run = _bench(url, "llama-server-2hogs", "128:256", 1, args.out)
+            results["llama-server 1x128:256 under 2 hogs"] = {"decode_tok_s": _decode_tok_s(run)}
+        with _llama_server(args.llama_server, gguf, 32, args.threads) as url:
+            run = _bench(url, "llama-server-np32", "128:128", 32, args.out)
+            results["llama-server -np 32 32x128:128"] = {
+                "output_tok_s": run["output_token_throughput"],
+                "ttft_p50_ms": run["ttft_ms"]["p50"],
+            }
+    if "transformers" not in args.skip:
+        for dtype in ("bfloat16", "float32"):
+            text = _python("bench.hf_generate", "--dtype", dtype)
+            tok_s = float(re.search(r"([\d.]+) output tok/s", text).group(1))
+            results[f"transformers generate {dtype} 32x128:128"] = {"output_tok_s": tok_s}
+    if "floor" not in args.skip:
+        text = _python("bench.floor", "--batch", "32", "--format", args.format)
+        floor_ms = float(re.search(r"matmuls\s+([\d.]+) ms", text).group(1))
+        dtype, quant = FORMATS[args.format]
+        text = _python("bench.cpu_step", "--batch", "32", "--runs", "3", "--",
+                       "--dtype", dtype, "--quantization", quant, *serve_args)  # fmt: skip
+        step_ms = float(re.search(r"decode step\s+([\d.]+) ms", text).group(1))
+        results["batch-32 decode step"] = {"step_ms": step_ms, "floor_ms": floor_ms}
+    summary = _summary(results)
+    record = {"serve_args": serve_args, "results": results, "figures": summary,
+              "minutes": (time.perf_counter() - started) / 60}  # fmt: skip
+    (args.out / "cpu-compare.json").write_text(json.dumps(record, indent=2))
+    print(_table(summary))
+    print(f"wrote {args.out / 'cpu-compare.json'}; {_load()}")
+
+
+def _summary(r: dict[str, dict]) -> dict[str, float | None]:
+    def get(key: str, field: str) -> float | None:
+        return r.get(key, {}).get(field)
+
+    hf = [
+        get(f"transformers generate {d} 32x128:128", "output_tok_s")
+        for d in ("bfloat16", "float32")
+    ]
+    step = r.get("batch-32 decode step", {})
+    return {
+        "32x128:128 gapless / transformers": _ratio(
+            get("gapless 32x128:128", "output_tok_s"), max((x for x in hf if x), default=None)
+        ),
+        "one stream gapless / llama-server": _ratio(
+            get("gapless 1x128:256", "decode_tok_s"), get("llama-server 1x128:256", "decode_tok_s")
+        ),
+        "32x128:128 gapless / llama-server -np 32": _ratio(
+            get("gapless 32x128:128", "output_tok_s"),
+            get("llama-server -np 32 32x128:128", "output_tok_s"),
+        ),
+        "batch-32 step floor / gapless": _ratio(step.get("floor_ms"), step.get("step_ms")),
+        "one stream under 2 hogs / quiet": _ratio(
+            get("gapless 1x128:256 under 2 hogs", "decode_tok_s"),
+            get("gapless 1x128:256", "decode_tok_s"),
+        ),
+    }
+
+
+def _table(summary: dict[str, float | None]) -> str:
+    lines = ["| figure | ratio | target | met |", "|---|---|---|---|"]
+    for name, value in summary.items():
+        bound = TARGETS[name]
+        met = "-" if value is None else ("yes" if value >= bound else "no")
+        shown = "-" if value is None else f"{value:.2f}"
+        lines.append(f"| {name} | {shown} | >= {bound:.2f} | {met} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
