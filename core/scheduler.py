@@ -187,6 +187,8 @@ class Scheduler:
         self.running.remove(req)
         self._run_slots = None
         slot = req.slot
+        computed = int(self.rb.computed[slot])
+        self.rb.release(slot)  # first: its output ids are a list on it from here
         if self.prefix_caching:
             if req.head_hash is not None:
                 peers = self._running_heads[req.head_hash]
@@ -195,8 +197,7 @@ class Scheduler:
                 else:
                     peers.remove(req)
                 req.head_hash = None
-            self._register_sent(req)
-        self.rb.release(slot)
+            self._register_sent(req, computed)
         self.blocks.free(req.blocks, req.num_named)
         req.blocks = []
         self.slots.free(slot)
@@ -346,15 +347,16 @@ class Scheduler:
         running = self._running_heads.get(head)
         if running is not None:
             for peer in running:
-                self._register_sent(peer)
+                self._register_sent(peer, int(self.rb.computed[peer.slot]))
         if not self.blocks.has_head(head):
             return []
         return self.blocks.lookup(self._hashes(req, max_blocks)[:max_blocks])
 
-    def _register_sent(self, req: Request) -> None:
-        """Register a request's full blocks that the steps planned so far (all sent) have
-        filled and whose token ids are known, past those it registered before."""
-        known = min(int(self.rb.computed[req.slot]), req.num_prompt + len(req.output_ids))
+    def _register_sent(self, req: Request, computed: int) -> None:
+        """Register a request's full blocks that the steps planned so far (all sent), having
+        computed this many tokens, have filled and whose ids are known, past those it
+        registered before."""
+        known = min(computed, req.num_prompt + len(req.output_ids))
         n, first = min(known // self.blocks.block_size, len(req.blocks)), req.num_named
         if n > first:
             self._register(req, first, n)
