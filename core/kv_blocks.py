@@ -10,9 +10,10 @@ and none is empty.
 
 Names are given lazily, because at 0% hits naming every block is pure cost. When a request's
 blocks become reusable (`register`), only its first block (its *head*) is put in the map at
-once; the rest wait as a *fragment* filed under the head's hash (the blocks, their hashes
-where known and the tokens to hash for the others, and the allocation clock). A lookup that finds a head names its waiting
-fragments first, and only then walks the chain. A lookup that misses the head (every lookup
+once; the rest wait as a *fragment* filed under the head's hash (the request's block and
+hash lists with the range registered, the tokens to hash for blocks whose hashes are not known,
+and the allocation clock). A lookup that finds a head names its waiting fragments first, and
+only then walks the chain. A lookup that misses the head (every lookup
 when prompts are distinct) costs one dict probe, and a fragment nobody asks for is dropped with
 its head when that is evicted. A fragment's block is named only if no allocation has handed it
 out since the fragment was filed (the block's stamp is not newer than the fragment's clock).
@@ -47,8 +48,9 @@ from gapless.core.common.block_hash import chain_hashes, hash_root
 
 __all__ = ["BlockManager", "SlotManager", "chain_hashes", "hash_root"]
 
-# (clock when filed, blocks, the leading ones' hashes, the hash before the rest, their tokens)
-Fragment = tuple[int, list[int], list[bytes], bytes, "list[int] | None"]
+# (clock when filed, the request's blocks, start, stop, its hashes, how many were known, the
+# tokens of the blocks past those)
+Fragment = tuple[int, list[int], int, int, list[bytes], int, "list[int] | None"]
 
 
 class BlockManager:
@@ -151,15 +153,14 @@ class BlockManager:
             ref[b] = r
             if r == 0:
                 empty.append(b)
-        n = 0
+        queued = len(lru)
         for b in reversed(blocks[:num_reusable]):
             r = ref[b] - 1
             assert r >= 0, f"double free of KV block {b}"
             ref[b] = r
             if r == 0:
                 lru.append(b)
-                n += 1
-        self._num_lru += n
+        self._num_lru += len(lru) - queued
         if len(lru) > 2 * self.num_blocks:
             self._compact()
 
@@ -222,27 +223,28 @@ class BlockManager:
 
     def register(
         self,
-        head: tuple[int, bytes],
         blocks: list[int],
-        hashes: list[bytes] | None,
-        parent: bytes = b"",
+        start: int,
+        stop: int,
+        hashes: list[bytes],
         tokens: list[int] | None = None,
     ) -> None:
-        """Held, full blocks of one request, their KV sent, become reusable: `head` is the
-        request's first block and its hash, `blocks` the ones registered now. `hashes` names
-        the leading ones; the rest, whose hashes are not known yet, are named by hashing
-        `tokens` (block_size per block) chained on `parent`, the hash of the block before
-        them. Names are given when a lookup finds the head (module docstring). A hash that
+        """blocks[start:stop] of one request, held, full and their KV sent, become reusable.
+        `blocks` and `hashes` are the request's own lists, kept as they are, not copied (their
+        owner only ever appends to them): blocks[0] is its head, and hashes[i] names block i
+        for the hashes known now (at least start of them, and the head's); the blocks past
+        those are named by hashing `tokens` (block_size per block) chained on the last known
+        hash. Names are given when a lookup finds the head (module docstring). A hash that
         already names another block is left to that one (two requests computed the same prefix
         at once: the second copy stays unnamed)."""
-        if not self.caching or not blocks:
+        if not self.caching or stop <= start:
             return
-        self._num_reusable += len(blocks)
-        head_block, head_hash = head
+        self._num_reusable += stop - start
+        head_block, head_hash = blocks[0], hashes[0]
         if head_hash not in self._by_hash and self._hash[head_block] is None:
             self._by_hash[head_hash] = head_block
             self._hash[head_block] = head_hash
-        fragment = (self._clock, blocks, hashes or [], parent, tokens)
+        fragment = (self._clock, blocks, start, stop, hashes, len(hashes), tokens)
         waiting = self._pending.get(head_hash)
         if waiting is None:
             self._pending[head_hash] = [fragment]
@@ -253,10 +255,11 @@ class BlockManager:
         """Name the blocks of the fragments waiting under a head that no eviction has handed
         out since they were filed."""
         by_hash, names, stamp = self._by_hash, self._hash, self._stamp
-        for clock, blocks, hashes, parent, tokens in self._pending.pop(head):
-            if len(hashes) < len(blocks):
-                hashes = hashes + chain_hashes(parent, tokens, self.block_size)
-            for b, h in zip(blocks, hashes, strict=True):
+        for clock, blocks, start, stop, hashes, known, tokens in self._pending.pop(head):
+            named = hashes[start : min(stop, known)]
+            if known < stop:
+                named += chain_hashes(hashes[known - 1], tokens, self.block_size)
+            for b, h in zip(blocks[start:stop], named, strict=True):
                 if stamp[b] <= clock and names[b] is None and h not in by_hash:
                     by_hash[h] = b
                     names[b] = h

@@ -337,48 +337,43 @@ class Scheduler:
     def _lookup(self, req: Request) -> list[int]:
         """Blocks of the longest cached prefix a request may take: at most (tokens - 1) //
         block size, so that it computes at least its last token (kv_blocks invariant 4)."""
-        max_blocks = (req.num_tokens - 1) // self.blocks.block_size
-        if max_blocks <= 0:
+        bs = self.blocks.block_size
+        hashes = req.block_hashes
+        if hashes:
+            head = hashes[0]
+        elif req.num_tokens > bs:
+            # why the first block alone first: a miss there (the common case with no sharing)
+            # then costs one sha256, not the whole prompt's hashing
+            head = self._hashes(req, 1)[0]
+        else:
             return []
-        # why the first block alone first: a miss there (the common case with no sharing)
-        # then costs one dict probe (one sha256 without the frontend's hashes), not the
-        # whole prompt's hashing
-        head = (req.block_hashes or self._hashes(req, 1))[0]
         running = self._running_heads.get(head)
         if running is not None:
             for peer in running:
                 self._register_sent(peer, int(self.rb.computed[peer.slot]))
-        if not self.blocks.has_head(head):
+        if not self.blocks.has_head(head):  # with the frontend's hashes: one dict probe
             return []
+        max_blocks = (req.num_tokens - 1) // bs
         return self.blocks.lookup(self._hashes(req, max_blocks)[:max_blocks])
 
     def _register_sent(self, req: Request, computed: int) -> None:
         """Register a request's full blocks that the steps planned so far (all sent), having
         computed this many tokens, have filled and whose ids are known, past those it
-        registered before."""
-        known = min(computed, req.num_prompt + len(req.output_ids))
-        n, first = min(known // self.blocks.block_size, len(req.blocks)), req.num_named
-        if n > first:
-            self._register(req, first, n)
-            req.num_named = n
-
-    def _register(self, req: Request, first: int, last: int) -> None:
-        """Blocks first..last of a request, full and their KV sent, become reusable. Those
-        the frontend's prompt hashes cover go with their hashes; the rest (outputs) with
-        their tokens, hashed only if a lookup ever asks (kv_blocks: lazy names)."""
+        registered before. Those the frontend's prompt hashes cover go with their hashes; the
+        rest (outputs) with their tokens, hashed only if a lookup ever asks (kv_blocks: lazy
+        names)."""
+        bs = self.blocks.block_size
+        known = min(computed, len(req.prompt_ids) + len(req.output_ids))
+        first, last = req.num_named, min(known // bs, len(req.blocks))
+        if last <= first:
+            return
         hashes = req.block_hashes
-        if len(hashes) < max(first, 1):  # the head and the parent: rare (no frontend hashes)
+        if len(hashes) < max(first, 1):  # rare: no frontend hashes, or outputs registered before
             hashes = self._hashes(req, max(first, 1))
-        head = (req.blocks[0], hashes[0])
-        named = hashes[first:last]
-        k = first + len(named)
-        if k == last:
-            self.blocks.register(head, req.blocks[first:last], named)
-        else:
-            bs = self.blocks.block_size
-            parent = hashes[k - 1]  # k >= 1: the head's hash is known
-            tokens = req.known_tokens(k * bs, last * bs)
-            self.blocks.register(head, req.blocks[first:last], named, parent, tokens)
+        k = len(hashes)
+        tokens = req.known_tokens(k * bs, last * bs) if k < last else None
+        self.blocks.register(req.blocks, first, last, hashes, tokens)
+        req.num_named = last
 
     def _hashes(self, req: Request, n: int) -> list[bytes]:
         """The request's chained block hashes, computed once each, at least n of them (the

@@ -33,8 +33,8 @@ def test_unreferenced_blocks_stay_cached_and_are_evicted_least_recently_used():
     m = BlockManager(num_blocks=5, block_size=4)  # 4 usable
     h = [bytes([i]) * 32 for i in range(4)]
     first, second = m.allocate(2), m.allocate(2)
-    m.register((first[0], h[0]), first, h[:2])
-    m.register((second[0], h[2]), second, h[2:])
+    m.register(first, 0, 2, h[:2])
+    m.register(second, 0, 2, h[2:])
     m.free(first, 2)
     m.free(second, 2)
     m.check()
@@ -54,12 +54,12 @@ def test_references_are_counted_and_a_second_copy_stays_unnamed():
     m = BlockManager(num_blocks=4, block_size=4)
     h = [b"x" * 32]
     (a,) = m.allocate(1)
-    m.register((a, h[0]), [a], h)
+    m.register([a], 0, 1, h)
     m.take([a])  # a second request shares it
     m.free([a], 1)
     assert m.num_free == 2, "still held by one request"
     (b,) = m.allocate(1)  # the same content computed again elsewhere
-    m.register((b, h[0]), [b], h)
+    m.register([b], 0, 1, h)
     assert m.lookup(h) == [a]
     m.free([a], 1)
     m.free([b], 1)
@@ -76,8 +76,8 @@ def test_names_wait_for_a_lookup_of_their_head_and_skip_blocks_evicted_meanwhile
     tokens = [1, 2, 3, 4, 5, 6]
     h = chain_hashes(root, tokens, 2)
     blocks = m.allocate(3)
-    m.register((blocks[0], h[0]), blocks[:1], h[:1])
-    m.register((blocks[0], h[0]), blocks[1:], None, h[0], tokens[2:])  # hashed only if asked
+    m.register(blocks, 0, 1, h[:1])
+    m.register(blocks, 1, 3, h[:1], tokens[2:])  # hashed only if asked
     assert m._hash[blocks[1]] is None and m._hash[blocks[2]] is None, "only the head is named"
     m.free(blocks, 3)
     m.check()
@@ -94,7 +94,7 @@ def test_evicting_a_head_drops_the_fragments_waiting_under_it():
     m = BlockManager(num_blocks=3, block_size=2)  # 2 usable
     h = chain_hashes(hash_root("m", ""), [1, 2, 3, 4], 2)
     blocks = m.allocate(2)
-    m.register((blocks[0], h[0]), blocks, h)
+    m.register(blocks, 0, 2, h)
     m.free(blocks, 2)
     assert m.allocate(2) == [blocks[1], blocks[0]]
     assert not m._pending and not m._by_hash and m.lookup(h) == []
@@ -106,7 +106,7 @@ def test_lru_entries_left_stale_by_hits_are_compacted_in_order():
     h = [bytes([i]) * 32 for i in range(3)]
     blocks = m.allocate(3)
     for b, x in zip(blocks, h, strict=True):
-        m.register((b, x), [b], [x])
+        m.register([b], 0, 1, [x])
     for b in reversed(blocks):  # LRU: blocks[2], blocks[1], blocks[0]
         m.free([b], 1)
     for _ in range(10):  # a hot block, taken and freed again and again
@@ -121,7 +121,7 @@ def test_lru_entries_left_stale_by_hits_are_compacted_in_order():
 def test_caching_off_names_nothing():
     m = BlockManager(num_blocks=4, block_size=4, caching=False)
     blocks = m.allocate(2)
-    m.register((blocks[0], b"a" * 32), blocks, [b"a" * 32, b"b" * 32])
+    m.register(blocks, 0, 2, [b"a" * 32, b"b" * 32])
     m.free(blocks)
     assert m.num_cached == 0 and m.lookup([b"a" * 32]) == []
 
@@ -493,3 +493,16 @@ def test_the_overhead_bench_compares_the_same_tokens(default_gguf, capsys):
     same = off.split(", evictions")[0].split(": ", 1)[1]  # steps, prefill and hit tokens
     assert same == on.split(", evictions")[0].split(": ", 1)[1], out
     assert "on / off, host time over a run: median" in out
+
+
+def test_the_counted_scheduler_run_plans_the_same_steps_on_and_off(capsys):
+    """What `core_overhead --instructions` counts under valgrind, run here without it."""
+    from gapless.bench.core_overhead import main
+
+    small = ["--requests", "12", "--prompt-len", "96", "--max-tokens", "4", "--kv-blocks", "64"]
+    main([*small, "--count-one", "off"])
+    main([*small, "--count-one", "on"])
+    off, on = capsys.readouterr().out.splitlines()
+    assert off.startswith("steps ") and "hit tokens 0," in on, (off, on)
+    assert off.split(", evictions")[0] == on.split(", evictions")[0], "the same steps"
+    assert "evictions 0," in off and "evictions 0," not in on, "64 blocks: caching on evicts"
