@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+from contextlib import asynccontextmanager
 
 import msgspec
 import pytest
@@ -163,16 +164,29 @@ async def test_get_stats() -> None:
     assert (await task).num_waiting == 2
 
 
-@pytest.mark.anyio
-async def test_zmq_engine_client_round_trip(make_config, tmp_path) -> None:
-    config = make_config(run_dir=str(tmp_path))
+@asynccontextmanager
+async def _zmq_client(config):
+    """A ZmqEngineClient of frontend 1 (not started), the core's inbox it sends to and a
+    sender to its socket; all closed on the way out."""
     ctx = zmq.Context()
     actx = zmq.asyncio.Context()
     core_in: AsyncReceiver[CoreInput] = AsyncReceiver(actx, config.ipc(CORE_IN), CoreInput)
     client = ZmqEngineClient(config, 1, ctx)
     to_front: Sender[FrontendInput] = Sender(ctx, config.ipc(frontend_socket(1)))
-    client.start()
     try:
+        yield client, core_in, to_front
+    finally:
+        await client.close()
+        to_front.close()
+        core_in.close()
+        actx.term()
+        ctx.term()
+
+
+@pytest.mark.anyio
+async def test_zmq_engine_client_round_trip(make_config, tmp_path) -> None:
+    async with _zmq_client(make_config(run_dir=str(tmp_path))) as (client, core_in, to_front):
+        client.start()
         stream = client.generate("1-0", [5, 6], PARAMS)
         first = asyncio.ensure_future(anext(stream))
         add = await asyncio.wait_for(core_in.recv(), 2)
@@ -187,12 +201,6 @@ async def test_zmq_engine_client_round_trip(make_config, tmp_path) -> None:
                 break
             await asyncio.sleep(0.01)
         assert client.dead_reason == "bye"
-    finally:
-        await client.close()
-        to_front.close()
-        core_in.close()
-        actx.term()
-        ctx.term()
 
 
 @pytest.mark.parametrize("batch", [1, 32, 256])
@@ -227,12 +235,7 @@ async def test_a_backlog_of_frames_reaches_the_streams_in_bursts(make_config, tm
     """A frontend that fell behind its socket lets the streams write between bursts of frames,
     so their unsent deltas stay under max_pending: nobody is aborted as a slow reader."""
     config = make_config(run_dir=str(tmp_path), stream_buffer_events=8)
-    ctx = zmq.Context()
-    actx = zmq.asyncio.Context()
-    core_in: AsyncReceiver[CoreInput] = AsyncReceiver(actx, config.ipc(CORE_IN), CoreInput)
-    client = ZmqEngineClient(config, 1, ctx)
-    to_front: Sender[FrontendInput] = Sender(ctx, config.ipc(frontend_socket(1)))
-    try:
+    async with _zmq_client(config) as (client, core_in, to_front):
         stream = client.generate("1-0", [5, 6], SamplingParams(max_tokens=50))
         first = asyncio.ensure_future(anext(stream))
         await asyncio.wait_for(core_in.recv(), 2)  # the AddRequest
@@ -246,12 +249,6 @@ async def test_a_backlog_of_frames_reaches_the_streams_in_bursts(make_config, tm
         assert "".join(d.text for d in got) == "".join(f"t{n}" for n in range(1, 51))
         assert got[-1].finish_reason == "length"
         assert len(got) < 50  # what waited came joined
-    finally:
-        await client.close()
-        to_front.close()
-        core_in.close()
-        actx.term()
-        ctx.term()
 
 
 @pytest.mark.anyio
