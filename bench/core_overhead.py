@@ -41,18 +41,17 @@ from gapless.gpu_runner.backend import make_backend
 
 
 def engine_core(
-    config: EngineConfig, prompts: list[list[int]], max_tokens: int, kv_blocks: int | None
-) -> tuple[object | None, EngineCore]:
-    """A sim backend (none when kv_blocks is given and it is not needed) and an engine core
-    holding the run's requests, named as the frontend names them."""
-    backend = make_backend(config) if kv_blocks is None else None
-    core = EngineCore(config, kv_blocks or backend.num_blocks)
+    config: EngineConfig, prompts: list[list[int]], max_tokens: int, kv_blocks: int
+) -> EngineCore:
+    """An engine core of kv_blocks blocks holding the run's requests, named as the frontend
+    names them."""
+    core = EngineCore(config, kv_blocks)
     root = hash_root(config.model.path, "")
     for i, p in enumerate(prompts):
         hashes = chain_hashes(root, p, config.block_size) if config.prefix_caching else []
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
         core.handle(AddRequest(f"r{i}", 0, p, params, time.time(), block_hashes=hashes))
-    return backend, core
+    return core
 
 
 class Run:
@@ -67,7 +66,7 @@ class Run:
     ) -> None:
         self.backend = make_backend(config)
         kv_blocks = kv_blocks or self.backend.num_blocks
-        _, self.core = engine_core(config, prompts, max_tokens, kv_blocks)
+        self.core = engine_core(config, prompts, max_tokens, kv_blocks)
         self.inflight: deque = deque()
         self.result = None
 
@@ -165,7 +164,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.count_one:
         config = EngineConfig(**{**fields, "prefix_caching": args.count_one == "on"})
-        scheduler_run(config, prompts, args.max_tokens, args.kv_blocks)
+        kv_blocks = args.kv_blocks or make_backend(base).num_blocks
+        scheduler_run(config, prompts, args.max_tokens, kv_blocks)
         return
     second = not args.control
     configs = [EngineConfig(**{**fields, "prefix_caching": c}) for c in (False, second)]
@@ -193,10 +193,10 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def scheduler_run(
-    config: EngineConfig, prompts: list[list[int]], max_tokens: int, kv_blocks: int | None
+    config: EngineConfig, prompts: list[list[int]], max_tokens: int, kv_blocks: int
 ) -> None:
     """The scheduler alone over the run, results faked (what --instructions counts)."""
-    _, core = engine_core(config, prompts, max_tokens, kv_blocks)
+    core = engine_core(config, prompts, max_tokens, kv_blocks)
     s = core.scheduler
 
     def run(*_) -> int:

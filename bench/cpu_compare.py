@@ -32,7 +32,7 @@ from gapless.bench.cpu_step import hogs
 from gapless.bench.floor import FORMATS
 from gapless.bench.launch import free_port, launched_server
 
-TARGETS = {  # figure -> (what, bound); checked as ratio >= bound
+TARGETS = {  # figure -> bound; met when its ratio >= bound
     "32x128:128 gapless / transformers": 2.0,
     "one stream gapless / llama-server": 1.0,
     "32x128:128 gapless / llama-server -np 32": 3.0,
