@@ -239,15 +239,13 @@ def decode_attention(
     matmuls. Here the blocks are gathered once per cache and the query heads sharing a KV head
     are that head's query rows ([D, KVH, G, d]), so K and V are read once per KV head."""
     d_, p_ = pages.shape
-    bs, kvh, hd = block_size, k_cache.shape[1], k_cache.shape[2]
-    rows = pages.reshape(-1)
-    k = torch.index_select(k_cache.view(-1, bs, kvh, hd), 0, rows)
-    v = torch.index_select(v_cache.view(-1, bs, kvh, hd), 0, rows)
-    k = k.view(d_, p_ * bs, kvh, hd).permute(0, 2, 3, 1)  # [D, KVH, d, L]
-    v = v.view(d_, p_ * bs, kvh, hd).permute(0, 2, 1, 3)  # [D, KVH, L, d]
+    kvh, hd = k_cache.shape[1], k_cache.shape[2]
+    paged = (-1, block_size, kvh, hd)
+    k = _gather(k_cache, paged, pages).view(d_, -1, kvh, hd).permute(0, 2, 3, 1)  # [D, KVH, d, L]
+    v = _gather(v_cache, paged, pages).view(d_, -1, kvh, hd).permute(0, 2, 1, 3)  # [D, KVH, L, d]
     qg = q.reshape(d_, kvh, -1, hd)  # [D, KVH, G, d]
     s = torch.matmul(qg, k).float() * scale  # scores and softmax in float32
-    s = s.masked_fill(~mask.reshape(d_, 1, 1, p_ * bs), float("-inf"))
+    s = s.masked_fill(~mask.reshape(d_, 1, 1, p_ * block_size), float("-inf"))
     return torch.matmul(s.softmax(-1).to(q.dtype), v).reshape(q.shape)
 
 
