@@ -13,9 +13,9 @@ blocks become reusable (`register`), only its first block (its *head*) is put in
 once; the rest wait as a *fragment* filed under the head's hash (the request's block and
 hash lists with the range registered, the tokens to hash for blocks whose hashes are not known,
 and the allocation clock). A lookup that finds a head names its waiting fragments first, and
-only then walks the chain. A lookup that misses the head (every lookup
-when prompts are distinct) costs one dict probe, and a fragment nobody asks for is dropped with
-its head when that is evicted. A fragment's block is named only if no allocation has handed it
+only then walks the chain. A lookup that misses the head (every lookup when prompts are
+distinct) costs one dict probe, and a fragment nobody asks for is dropped with its head when
+that is evicted. A fragment's block is named only if no allocation has handed it
 out since the fragment was filed (the block's stamp is not newer than the fragment's clock).
 
 Invariants (tests/core/test_prefix_cache.py checks them after every step, overlap on and off):
