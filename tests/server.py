@@ -58,8 +58,11 @@ class Server:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError("gapless serve exited during startup:\n" + self.read_log())
+            # why the log line too: /health answers once the first frontend listens; the
+            # supervisor logs "serving ... on http://" when every frontend has (--api-servers)
+            serving = any(" on http://" in line and "serving " in line for line in self.log)
             try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                if serving and httpx.get(self.url + "/health", timeout=1).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
