@@ -79,6 +79,9 @@ class PersistentBatch:
             ]
         self._copied = [None] * len(self._staging)  # cuda events: each staging copy is done
         self._turn = 0
+        self._arange = np.arange(max_rows + 1)  # [max_rows + 1] int64, never written
+        self._ones = np.ones(max_rows, dtype=np.int64)  # never written
+        self._arange.flags.writeable = self._ones.flags.writeable = False
 
     def add(self, slot: int) -> None:
         assert not self.active[slot], f"slot {slot} added twice"
@@ -120,60 +123,75 @@ class PersistentBatch:
         asked is scored (its logits kept, for the token at p + 1) while p + 1 < scored_until."""
         bs = self.block_size
         slots = np.asarray(plan.slots, dtype=np.int64)  # [B]
-        n = np.asarray(plan.num_tokens, dtype=np.int64)  # [B]
         start = np.asarray(plan.start_pos, dtype=np.int64)  # [B]
-        has_tokens = np.asarray(plan.has_tokens, dtype=bool)
-        sample = np.asarray(plan.sample, dtype=bool)
         assert self.active[slots].all(), "plan schedules a slot that is not in use"
 
         # block tables: append each entry's new blocks after the ones the slot already has
-        nb = np.asarray(plan.num_new_blocks, dtype=np.int64)
-        if nb.any():
+        if plan.new_blocks:
+            nb = np.asarray(plan.num_new_blocks, dtype=np.int64)  # [B]
             rows = np.repeat(slots, nb)
             offs = np.arange(nb.sum()) - np.repeat(np.cumsum(nb) - nb, nb)
             self.block_table[rows, self.num_blocks[rows] + offs] = plan.new_blocks
             np.add.at(self.num_blocks, slots, nb)
 
         # per token: entry, position, cache row
-        b, t = len(slots), int(n.sum())
-        ends = np.cumsum(n)
-        entry = np.repeat(np.arange(b), n)  # [T]
-        positions = start[entry] + np.arange(t) - (ends - n)[entry]
-        tok_slot = slots[entry]
-        fed_rows = np.flatnonzero(has_tokens[entry])
+        b = len(slots)
+        # why a branch: steady decode is most steps, and each array op skipped is ~2-5 us
+        decode = not plan.token_ids and plan.num_tokens.count(1) == b
+        if decode:  # one token per entry, each read from last_token on the device
+            t, n = b, None
+            ends = self._arange[1 : b + 1]
+            positions, tok_slot, fed_rows = start, slots, _EMPTY
+        else:
+            n = np.asarray(plan.num_tokens, dtype=np.int64)  # [B]
+            t = int(n.sum())
+            ends = np.cumsum(n)
+            entry = np.repeat(np.arange(b), n)  # [T]
+            positions = start[entry] + np.arange(t) - (ends - n)[entry]
+            tok_slot = slots[entry]
+            fed_rows = np.flatnonzero(np.asarray(plan.has_tokens, dtype=bool)[entry])
         padded = pad and t == b
         num_rows = padded_size(b) if padded else t
-        ctx_len = start + n
-        picked = np.flatnonzero(sample)
+        ctx_len = start + (1 if decode else n)
+        if all(plan.sample):
+            picked = self._arange[:b]
+            logit_rows, sample_slots, sample_ctx = ends - 1, slots, ctx_len
+        else:
+            picked = np.flatnonzero(np.asarray(plan.sample, dtype=bool))
+            logit_rows, sample_slots, sample_ctx = ends[picked] - 1, slots[picked], ctx_len[picked]
         s, f = len(picked), len(fed_rows)
 
         table = self._host_table()
         table[:t, IDS] = -1
-        table[fed_rows, IDS] = plan.token_ids
+        if f:
+            table[fed_rows, IDS] = plan.token_ids
         table[:t, TOK_SLOT] = tok_slot
         table[:t, POSITIONS] = positions
         table[:t, SLOT_MAPPING] = self.block_table[tok_slot, positions // bs] * bs + positions % bs
         table[t:num_rows, :LOGIT_ROWS] = 0  # dummies: token 0 at position 0, K/V into block 0
-        table[:s, LOGIT_ROWS] = ends[picked] - 1
+        table[:s, LOGIT_ROWS] = logit_rows
         scored = _EMPTY
-        if scored_until is not None:
+        if scored_until is not None and f:
             scored = fed_rows[positions[fed_rows] + 1 < scored_until[tok_slot[fed_rows]]]
         p = len(scored)
         table[s : s + p, LOGIT_ROWS] = scored
         table[s + p : num_rows, LOGIT_ROWS] = 0
-        table[:s, SAMPLE_SLOTS] = slots[picked]
-        table[:s, SAMPLE_POSITIONS] = ctx_len[picked]
-        table[:f, FED_SLOTS] = tok_slot[fed_rows]
-        table[:f, FED_POSITIONS] = positions[fed_rows]
-        table[:f, FED_IDS] = plan.token_ids
+        table[:s, SAMPLE_SLOTS] = sample_slots
+        table[:s, SAMPLE_POSITIONS] = sample_ctx
+        if f:
+            table[:f, FED_SLOTS] = tok_slot[fed_rows]
+            table[:f, FED_POSITIONS] = positions[fed_rows]
+            table[:f, FED_IDS] = plan.token_ids
 
         num_entries = num_rows if padded else b
-        pages = int(-(-ctx_len.max() // bs))
+        pages = -(-int(ctx_len.max()) // bs)
         page_table = np.zeros((num_entries, pages), dtype=np.int64)
         page_table[:b] = self.block_table[slots, :pages]
+        entry_ctx = np.ones(num_entries, dtype=np.int64)
+        entry_ctx[:b] = ctx_len
         layout = StepLayout(
-            num_tokens=np.ones(num_entries, dtype=np.int64) if padded else n,
-            ctx_len=np.concatenate([ctx_len, np.ones(num_entries - b, dtype=np.int64)]),
+            num_tokens=self._ones[:num_entries] if padded or decode else n,
+            ctx_len=entry_ctx,
             page_table=page_table,
             block_size=bs,
         )
@@ -184,7 +202,7 @@ class PersistentBatch:
             num_fed=f,
             padded=padded,
             layout=layout,
-            sample_slots_host=slots[picked],
+            sample_slots_host=sample_slots,
             fed_slots_host=tok_slot[fed_rows],
             num_scored=p,
             scored_slots_host=tok_slot[scored],

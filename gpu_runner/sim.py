@@ -1,7 +1,7 @@
 """The `sim` device: an asynchronous accelerator emulated from a timing profile, no weights.
 
-A launch does the host-side work of a real runner (slots, block tables, per-token cache rows,
-in numpy) and queues the step on an emulated device that runs steps back to back:
+A launch does the host-side work of a real runner (slots, and the persistent batch's block
+tables and static token table, by the runner's own code) and queues the step on an emulated device that runs steps back to back:
 device_start = max(launch time, device_free_at), device_end = device_start + t_step (the
 profile's modelled time, sim). Sampled ids are drawn from a seeded generator over the real
 tokenizer's ordinary tokens, never EOS or special tokens, so requests end by length or stop
@@ -19,7 +19,9 @@ import torch
 from gapless.core.common.config import EngineConfig
 from gapless.core.common.messages import SampleLogprobs, StepPlan, StepResult, StepTiming
 from gapless.core.common.model_files import load_tokenizer
+from gapless.gpu_runner.batch import SLOT_MAPPING, PersistentBatch
 from gapless.gpu_runner.grammar import GrammarRows
+from gapless.gpu_runner.graph import capture_sizes
 from gapless.gpu_runner.logprobs import row_logprobs
 from gapless.gpu_runner.sim_profiles import get_profile, num_kv_blocks, step_time
 
@@ -64,9 +66,8 @@ class SimBackend:
         self.top_rng = np.random.default_rng([config.seed, 1])  # top-logprob ids, at collect
         slots = config.max_num_seqs
         max_blocks = -(-config.model.max_model_len // config.block_size)
-        self.block_table = np.zeros((slots, max_blocks), dtype=np.int32)
-        self.num_slot_blocks = np.zeros(slots, dtype=np.int64)
-        self.active = np.zeros(slots, dtype=bool)
+        rows = max(config.max_num_batched_tokens, capture_sizes(slots)[-1])
+        self.batch = PersistentBatch(slots, max_blocks, config.block_size, rows, "cpu")
         self.num_logprobs = np.full(slots, -1, dtype=np.int64)  # -1: not asked
         # top-k logprobs of rank r: log(2^-(r+1)), the sampled token at rank 0 (sim)
         k = max(config.max_logprobs, 1)
@@ -145,17 +146,13 @@ class SimBackend:
         return token_ids
 
     def _apply_slots(self, plan: StepPlan) -> None:
-        freed = np.asarray(plan.freed_slots, dtype=np.int64)
-        assert self.active[freed].all(), "plan frees a slot that is not in use"
-        self.active[freed] = False
-        self.num_logprobs[freed] = -1
-        for slot in freed.tolist():
+        for slot in plan.freed_slots:
+            self.batch.remove(slot)
+            self.num_logprobs[slot] = -1
             self.grammar.remove(slot)
         for new in plan.new_slots:
             self.grammar.add(new.slot, new.params.grammar, new.num_prompt_tokens)
-            assert not self.active[new.slot], f"slot {new.slot} added twice"
-            self.active[new.slot] = True
-            self.num_slot_blocks[new.slot] = 0
+            self.batch.add(new.slot)
             lp = new.params.logprobs
             self.num_logprobs[new.slot] = -1 if lp is None else min(lp, self.config.max_logprobs)
 
@@ -164,34 +161,21 @@ class SimBackend:
         return self._prepare_inputs(plan)
 
     def _prepare_inputs(self, plan: StepPlan) -> tuple[int, int, int, int, np.ndarray]:
-        """Block tables and per-token cache rows, as a real runner builds its inputs.
+        """The runner's input preparation (a padded decode batch, as its graphs run them).
 
         Returns (tokens, prompt tokens, sum of contexts, sum of keys attended, sampling slots).
         """
-        bs = self.config.block_size
-        slots = np.asarray(plan.slots, dtype=np.int64)  # [B]
-        n = np.asarray(plan.num_tokens, dtype=np.int64)  # [B]
-        start = np.asarray(plan.start_pos, dtype=np.int64)  # [B]
-        assert self.active[slots].all(), "plan schedules a slot that is not in use"
-        nb = np.asarray(plan.num_new_blocks, dtype=np.int64)  # [B]
-        if nb.any():
-            rows = np.repeat(slots, nb)
-            offs = np.arange(nb.sum()) - np.repeat(np.cumsum(nb) - nb, nb)
-            self.block_table[rows, self.num_slot_blocks[rows] + offs] = plan.new_blocks
-            np.add.at(self.num_slot_blocks, slots, nb)
-        ctx = start + n  # [B] context length after the step
-        assert (self.num_slot_blocks[slots] * bs >= ctx).all(), "plan outruns its KV blocks"
-        # [T] cache row of each query token: block_table[slot, pos // bs] * bs + pos % bs
-        ends = np.cumsum(n)
-        entry = np.repeat(np.arange(len(n)), n)
-        pos = start[entry] + np.arange(int(ends[-1])) - (ends - n)[entry]
-        cache_rows = self.block_table[slots[entry], pos // bs] * bs + pos % bs
-        assert (cache_rows >= bs).all(), "a token would be written to the reserved block 0"
+        bs, b = self.config.block_size, len(plan.slots)
+        inp = self.batch.prepare(plan, pad=True)
+        n, ctx = inp.layout.num_tokens[:b], inp.layout.ctx_len[:b]  # [B] each
+        assert (self.batch.num_blocks[plan.slots] * bs >= ctx).all(), "plan outruns its KV blocks"
+        t = inp.num_tokens
+        assert (self.batch.column(SLOT_MAPPING, t) >= bs).all(), (
+            "a token would be written to the reserved block 0"
+        )
         # keys attended: query i of an entry sees start + i + 1 keys (causal)
-        attended = int((n * start + n * (n + 1) // 2).sum())
-        prefill = int(n[np.asarray(plan.has_tokens, dtype=bool)].sum())
-        sample_slots = slots[np.asarray(plan.sample, dtype=bool)]
-        return int(ends[-1]), prefill, int(ctx.sum()), attended, sample_slots
+        attended = int((n * (ctx - n) + n * (n + 1) // 2).sum())
+        return t, inp.num_fed, int(ctx.sum()), attended, inp.sample_slots_host
 
     def _logprobs(self, h: SimStep) -> list[SampleLogprobs | None]:
         """Sampled token at rank 0 of a halving distribution; the rest random ordinary ids."""
