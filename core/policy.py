@@ -140,7 +140,11 @@ class Policy:
     def charge_outputs(self, tenant_ids: np.ndarray) -> None:
         """One sampled token for each entry of tenant_ids [R]."""
         n = len(self.output_tokens)
-        self.output_tokens += np.bincount(tenant_ids, minlength=n)[:n]
+        self.charge_output_counts(np.bincount(tenant_ids, minlength=n)[:n])
+
+    def charge_output_counts(self, tokens: np.ndarray) -> None:
+        """tokens[t] sampled tokens for tenant t: [T], as long as the per-tenant arrays."""
+        self.output_tokens += tokens
 
 
 class PriorityPolicy(Policy):
@@ -260,9 +264,7 @@ class FairPolicy(PriorityPolicy):
         super().charge_prompt(req, num_tokens)
         self.counters[req.tenant_id] += num_tokens * self._inv_weight[req.tenant_id]
 
-    def charge_outputs(self, tenant_ids: np.ndarray) -> None:
-        n = len(self.counters)
-        tokens = np.bincount(tenant_ids, minlength=n)[:n]
+    def charge_output_counts(self, tokens: np.ndarray) -> None:
         self.output_tokens += tokens
         charge = tokens * self.output_weight * self._inv_weight
         self.counters += charge

@@ -7,9 +7,32 @@ While a request holds a slot these arrays are the only copy of its output ids an
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from gapless.core.request import Request
+
+
+@dataclass(eq=False)
+class DecodeSet:
+    """The running requests while every one of them decodes (feeds its last token, samples
+    one): what a decode step reads per row, gathered once per change of the running set, not
+    every step. Rows are the running requests in admission order."""
+
+    requests: list[Request]
+    slots: np.ndarray  # [n] int64
+    slot_list: list[int]  # [n] the same, for plans
+    epochs: np.ndarray  # [n] slot epochs
+    capacity: np.ndarray  # [n] tokens its KV blocks hold: a step starting there needs a block
+    feed_below: np.ndarray  # [n] limit - 1: computed this far, its last sample is in flight
+    prompt_len: np.ndarray  # [n]
+    limit: np.ndarray  # [n]
+    ignore_eos: np.ndarray  # [n] bool
+    min_len: np.ndarray  # [n]
+    has_stop_ids: np.ndarray  # [n] bool
+    any_stop_ids: bool
+    tenant_counts: np.ndarray  # [T] rows per tenant: a full step's charge
 
 
 class RunningBatch:
@@ -32,6 +55,7 @@ class RunningBatch:
         self.priority = np.zeros(s, np.int64)
         self.out = np.zeros((s, max_model_len), np.int64)  # [slot, output index] ids
         self.max_model_len = max_model_len
+        self.num_released = 0  # releases so far: none since a step was planned, all rows live
 
     def num_tokens(self, slots: np.ndarray) -> np.ndarray:
         """Prompt plus known and pending outputs."""
@@ -62,11 +86,45 @@ class RunningBatch:
         self.tenant_id[slot] = req.tenant_id
         self.priority[slot] = req.priority
 
-    def append(self, slots: np.ndarray, tokens: np.ndarray) -> None:
-        """One sampled id for each slot's request: [R] slots, [R] ids."""
+    def decode_set(
+        self, requests: list[Request], slots: np.ndarray, block_size: int, num_tenants: int
+    ) -> DecodeSet | None:
+        """The running requests' decode view, or None if one of them still prefills (or has
+        blocks the runner was not sent)."""
+        computed = self.computed[slots]
+        if not (self.num_tokens(slots) - computed == 1).all():
+            return None
+        if not (computed >= self.prefill_end[slots]).all():  # its next token is not on the device
+            return None
+        num_blocks = self.num_blocks[slots]
+        if not (self.num_sent[slots] == num_blocks).all():
+            return None
+        limit, has_stop_ids = self.limit[slots], self.has_stop_ids[slots]
+        return DecodeSet(
+            requests=list(requests),
+            slots=slots,
+            slot_list=slots.tolist(),
+            epochs=self.epoch[slots],
+            capacity=num_blocks * block_size,
+            feed_below=limit - 1,
+            prompt_len=self.prompt_len[slots],
+            limit=limit,
+            ignore_eos=self.ignore_eos[slots],
+            min_len=self.min_len[slots],
+            has_stop_ids=has_stop_ids,
+            any_stop_ids=bool(has_stop_ids.any()),
+            tenant_counts=np.bincount(self.tenant_id[slots], minlength=num_tenants),
+        )
+
+    def append(self, slots: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        """One sampled id for each slot's request: [R] slots, [R] ids. Returns [R] each one's
+        output count with it."""
+        n = self.out_len[slots]
+        self.out[slots, n] = tokens
+        n += 1
+        self.out_len[slots] = n
         self.pending[slots] -= 1
-        self.out[slots, self.out_len[slots]] = tokens
-        self.out_len[slots] += 1
+        return n
 
     def release(self, slot: int) -> Request:
         """The request leaves its slot; its ids and pending count go back to the Request."""
@@ -76,4 +134,5 @@ class RunningBatch:
         req.slot = -1
         self.req[slot] = None
         self.epoch[slot] += 1
+        self.num_released += 1
         return req

@@ -4,7 +4,9 @@ Contract: `schedule() -> ScheduledStep | None` plans the next step assuming ever
 request continues; `update_from_output(step, result) -> StepOutput` applies a step's sampled
 ids once they arrive. Several steps may be in flight between the two. Running requests'
 counters live in arrays indexed by slot (core/running.py), so a decode step is planned and
-applied with array operations over the batch.
+applied with array operations over the batch. While every running request decodes and nobody
+can take a seat, a step is planned from a view of the running set gathered once per change of
+the set (`DecodeSet`), and applied with it: the steady state costs a few array operations.
 
 Prefix caching (invariants in core/kv_blocks.py): a request taking a seat takes the longest
 cached chain of its tokens and starts computing at the first token past it. A running request
@@ -36,7 +38,7 @@ from gapless.core.common.messages import (
 from gapless.core.kv_blocks import BlockManager, SlotManager, chain_hashes, hash_root
 from gapless.core.policy import Policy
 from gapless.core.request import Request, Status, check_stop
-from gapless.core.running import RunningBatch
+from gapless.core.running import DecodeSet, RunningBatch
 
 _EMPTY = np.zeros(0, np.int64)
 
@@ -54,6 +56,8 @@ class ScheduledStep:
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
     num_cached_tokens: int = 0  # tokens admitted requests found in the prefix cache
+    num_released: int = 0  # RunningBatch.num_released when planned
+    decode: DecodeSet | None = None  # the set whose every row this step samples, in order
     plan_sent: float = 0.0  # perf_counter when the plan left the core
     schedule_s: float = 0.0  # time spent building it
 
@@ -104,6 +108,7 @@ class Scheduler:
         self._parked: list[Request] = []  # preempted with samples in flight: wait for them
         self.running: list[Request] = []  # admission order; the policy picks whom to preempt
         self._run_slots: np.ndarray | None = None  # slots of `running`, rebuilt on change
+        self._decode: DecodeSet | None = None  # of `running` while all decode, rebuilt on change
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0  # all, for KV blocks or for priority
         self.num_priority_preemptions = 0
@@ -185,7 +190,7 @@ class Scheduler:
 
     def _leave_slot(self, req: Request) -> None:
         self.running.remove(req)
-        self._run_slots = None
+        self._run_slots = self._decode = None
         slot = req.slot
         computed = int(self.rb.computed[slot])
         self.rb.release(slot)  # first: its output ids are a list on it from here
@@ -211,6 +216,11 @@ class Scheduler:
     def schedule(self) -> ScheduledStep | None:
         if self.policy.ranks_by_priority:
             self._preempt_for_priority()
+        if self.running and not (self.policy and len(self.running) < self.max_num_seqs):
+            d = self._decode or self._decode_set()  # nobody can take a seat: all may decode
+            if d is not None and (step := self._plan_decode(d)) is not None:
+                return step
+        self._decode = None  # why: the plan below moves counters the set holds (block capacity)
         run_slots, run_take = self._plan_running()
         budget = self.max_num_batched_tokens - int(run_take.sum())
         new_slots, adm_slots, adm_take = self._admit(budget)
@@ -227,6 +237,64 @@ class Scheduler:
                 (r.slot for r in self.running), np.int64, len(self.running)
             )
         return self._run_slots
+
+    def _decode_set(self) -> DecodeSet | None:
+        n = len(self.policy.output_tokens)
+        rs, bs = self._running_slots(), self.blocks.block_size
+        self._decode = self.rb.decode_set(self.running, rs, bs, n)
+        return self._decode
+
+    def _plan_decode(self, d: DecodeSet) -> ScheduledStep | None:
+        """Every running request feeds its last token and samples one; a request whose blocks
+        are full gets one more. None, having changed nothing, if there is nothing to feed or the
+        token budget or the blocks run short (the general plan preempts)."""
+        rb, slots, sampled = self.rb, d.slots, d.requests
+        start, capacity, epochs = rb.computed[slots], d.capacity, d.epochs
+        rows = None
+        fed = start < d.feed_below
+        if not fed.all():  # a request whose last allowed sample is in flight feeds nothing
+            rows = np.flatnonzero(fed)
+            slots, start, capacity, epochs = slots[rows], start[rows], capacity[rows], epochs[rows]
+            sampled = [sampled[i] for i in rows.tolist()]
+        n = len(slots)
+        full = np.flatnonzero(start >= capacity)  # every block_size steps per request
+        if not n or n > self.max_num_batched_tokens or not self.blocks.can_allocate(len(full)):
+            return None
+        num_new_blocks, new_blocks = [0] * n, []
+        if len(full):
+            new_blocks = self.blocks.allocate(len(full))
+            for j, block in zip(full.tolist(), new_blocks, strict=True):
+                sampled[j].blocks.append(block)
+                num_new_blocks[j] = 1
+            grown = slots[full]
+            rb.num_blocks[grown] += 1
+            rb.num_sent[grown] += 1
+            d.capacity[full if rows is None else rows[full]] += self.blocks.block_size
+        rb.computed[slots] = start + 1
+        rb.pending[slots] += 1
+        self._seq += 1
+        plan = StepPlan(
+            seq=self._seq,
+            new_slots=[],
+            freed_slots=self.slots.take_freed(),
+            slots=d.slot_list if rows is None else slots.tolist(),
+            num_tokens=[1] * n,
+            start_pos=start.tolist(),
+            has_tokens=[False] * n,
+            token_ids=[],
+            sample=[True] * n,
+            num_new_blocks=num_new_blocks,
+            new_blocks=new_blocks,
+        )
+        return ScheduledStep(
+            plan=plan,
+            sampled=sampled,
+            sample_slots=slots,
+            sample_epochs=epochs,
+            num_decode_tokens=n,
+            num_released=rb.num_released,
+            decode=d if rows is None else None,
+        )
 
     def _plan_running(self) -> tuple[np.ndarray, np.ndarray]:
         """Tokens each running request feeds this step, preempting the newest while the KV
@@ -310,7 +378,7 @@ class Scheduler:
             self.num_hit_tokens += cached
             num_cached += cached
             self.running.append(req)
-            self._run_slots = None
+            self._run_slots = self._decode = None
             if req.block_hashes and self.prefix_caching:
                 req.head_hash = head = req.block_hashes[0]
                 peers = self._running_heads.get(head)
@@ -443,6 +511,7 @@ class Scheduler:
             num_prefill_tokens=int(take[has_tokens].sum()),
             num_decode_tokens=int((~has_tokens).sum()),
             num_cached_tokens=self._num_cached_admitted,
+            num_released=rb.num_released,
         )
 
     # ------------------------------------------------------------------ results
@@ -457,24 +526,44 @@ class Scheduler:
                 owner.add_prompt_logprobs(piece)
         tokens = np.asarray(result.token_ids, np.int64)
         slots = step.sample_slots
-        live = rb.epoch[slots] == step.sample_epochs  # still the same request in that slot
-        rows = np.flatnonzero(live)
-        s, t = slots[rows], tokens[rows]
-        rb.append(s, t)
-        self.policy.charge_outputs(rb.tenant_id[s])
-        requests = [step.sampled[j] for j in rows.tolist()]
-        has_stop_ids = rb.has_stop_ids[s]
-        reasons, ended = check_stop(
-            t,
-            rb.prompt_len[s] + rb.out_len[s],
-            rb.limit[s],
-            rb.ignore_eos[s],
-            has_stop_ids,
-            requests if has_stop_ids.any() else [],
-            self._eos,
-            rb.min_len[s],
-        )
-        if len(rows) < len(slots):  # preempted or finished since planning: a few rows
+        if rb.num_released == step.num_released:  # no slot changed hands: every row is live
+            rows, s, t, requests = None, slots, tokens, list(step.sampled)
+        else:
+            live = rb.epoch[slots] == step.sample_epochs  # still the same request in that slot
+            rows = np.flatnonzero(live)
+            s, t = slots[rows], tokens[rows]
+            requests = [step.sampled[j] for j in rows.tolist()]
+        num_out = rb.append(s, t)
+        d = step.decode if rows is None else None
+        if d is not None:  # its rows' constants, gathered once for the set
+            if len(d.tenant_counts) == len(self.policy.output_tokens):
+                self.policy.charge_output_counts(d.tenant_counts)
+            else:  # a tenant arrived since: the per-tenant arrays grew
+                self.policy.charge_outputs(rb.tenant_id[s])
+            reasons, ended = check_stop(
+                t,
+                d.prompt_len + num_out,
+                d.limit,
+                d.ignore_eos,
+                d.has_stop_ids,
+                requests if d.any_stop_ids else [],
+                self._eos,
+                d.min_len,
+            )
+        else:
+            self.policy.charge_outputs(rb.tenant_id[s])
+            has_stop_ids = rb.has_stop_ids[s]
+            reasons, ended = check_stop(
+                t,
+                rb.prompt_len[s] + num_out,
+                rb.limit[s],
+                rb.ignore_eos[s],
+                has_stop_ids,
+                requests if has_stop_ids.any() else [],
+                self._eos,
+                rb.min_len[s],
+            )
+        if rows is not None and len(rows) < len(slots):  # preempted or finished since planning
             moved = self._apply_moved(step, np.flatnonzero(~live), tokens)
             moved_requests = [step.sampled[j] for j in moved.tolist()]
             moved_reasons, moved_ended = self._check_moved(moved_requests, tokens[moved])
@@ -485,7 +574,8 @@ class Scheduler:
             t = tokens[rows]
         out.requests, out.token_ids, out.end_reasons = requests, t.tolist(), reasons
         if result.logprobs:
-            out.logprobs = [result.logprobs[j] for j in rows.tolist()]
+            logprobs = result.logprobs
+            out.logprobs = list(logprobs) if rows is None else [logprobs[j] for j in rows.tolist()]
         if self._scoring:
             out.prompt_logprobs = [r.take_prompt_logprobs() for r in requests]
             self._scoring.difference_update(requests)

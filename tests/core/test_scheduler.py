@@ -211,3 +211,15 @@ def test_length_ends_at_max_tokens_or_context():
         )
     assert ended == {"r0": "length", "r1": "length"}
     assert len(first.output_ids) == len(second.output_ids) == 4
+
+
+def test_ignore_eos_ignores_eos_but_not_stop_token_ids():
+    s = make_scheduler()
+    make_requests(s, 2, max_tokens=8, ignore_eos=True, stop_token_ids=(55,))
+    step = s.schedule()
+    out = s.update_from_output(step, fake_result(step, {"r0": EOS, "r1": 55}))
+    assert out.end_reasons == ["", "stop_token"]
+    step = s.schedule()
+    assert step.decode is not None, "r0 decodes alone: the decode plan"
+    out = s.update_from_output(step, fake_result(step, {"r0": 55}))
+    assert out.end_reasons == ["stop_token"] and not s.has_work
