@@ -7,6 +7,7 @@ from tokenizers import Tokenizer
 from gapless.core.common.messages import DetokNew, TextDelta, TokenBatch
 from gapless.detokenizer.logprobs import LogprobText
 from gapless.detokenizer.request import RequestDetokenizer
+from gapless.detokenizer.token_table import TokenTable
 
 
 class Outbox:
@@ -36,6 +37,7 @@ class DetokenizerState:
         self._tokenizer = tokenizer
         self._requests: dict[str, RequestDetokenizer] = {}
         self._logprobs = LogprobText(tokenizer)
+        self._table = TokenTable.of(tokenizer)  # None: not byte-level, the streams decode all
         self.num_unknown = 0  # batch entries for requests not (or no longer) live: skipped
 
     @property
@@ -45,17 +47,19 @@ class DetokenizerState:
     def add(self, new: DetokNew) -> None:
         """Register a request; a repeated DetokNew for a live request keeps its state."""
         if new.request_id not in self._requests:
-            self._requests[new.request_id] = RequestDetokenizer(self._tokenizer, new)
+            self._requests[new.request_id] = RequestDetokenizer(self._tokenizer, new, self._table)
 
     def process(self, batch: TokenBatch, out: Outbox) -> None:
-        requests = self._requests
-        token_ids, counts, logprobs = batch.token_ids, batch.counts, batch.logprobs
-        ends, errors = batch.finish_reasons, batch.errors
-        pos = 0  # into token_ids and logprobs
+        requests, boxes = self._requests, out.deltas
+        token_ids, counts, ends = batch.token_ids, batch.counts, batch.finish_reasons
+        num_prompt_tokens = batch.num_prompt_tokens
+        # why: an entry with one token and nothing beside it takes the cheaper step_token
+        simple = not (
+            batch.logprobs or batch.errors or batch.num_cached_tokens or batch.prompt_logprobs
+        )
+        pos = 0  # into token_ids and logprobs: past the entry's tokens
         for i, request_id in enumerate(batch.request_ids):
             n = counts[i]
-            ids = token_ids[pos : pos + n]
-            lps = logprobs[pos : pos + n] if logprobs else None
             pos += n
             req = requests.get(request_id)
             if req is None:
@@ -63,31 +67,40 @@ class DetokenizerState:
                 continue
             end = ends[i]
             try:
-                scored = batch.prompt_logprobs[i] if batch.prompt_logprobs else None
-                if scored is not None and req.num_prompt_top is not None:
-                    req.prompt_logprobs = self._logprobs.build(
-                        scored.token_ids, list(scored.logprobs), req.num_prompt_top
-                    )
-                token_lps = None
-                if req.num_top is not None and lps is not None:
-                    token_lps = self._logprobs.build(ids, lps, req.num_top)
-                error = errors[i] if errors else ""
-                delta = req.step(ids, end, batch.num_prompt_tokens[i], token_lps, error)
-                if delta is not None and batch.num_cached_tokens:
-                    delta.num_cached_tokens = batch.num_cached_tokens[i]
+                if n == 1 and simple and not end:
+                    delta = req.step_token(token_ids[pos - 1], num_prompt_tokens[i])
+                else:
+                    delta = self._step(req, batch, i, pos - n)
             except Exception as e:  # one request's failure must not end the others
-                delta = req.fail(
-                    f"detokenizer: {type(e).__name__}: {e}", batch.num_prompt_tokens[i]
-                )
+                delta = req.fail(f"detokenizer: {type(e).__name__}: {e}", num_prompt_tokens[i])
                 if not end:
                     out.failed.append(request_id)
             if req.is_done:
                 del requests[request_id]
                 if req.stop_hit and not end:
                     out.stop_hits.append(request_id)
-            if delta is None:
-                continue
-            box = out.deltas.get(req.frontend_id)
-            if box is None:
-                box = out.deltas[req.frontend_id] = []
-            box.append(delta)
+            if delta is not None:
+                box = boxes.get(req.frontend_id)
+                if box is None:
+                    box = boxes[req.frontend_id] = []
+                box.append(delta)
+
+    def _step(
+        self, req: RequestDetokenizer, batch: TokenBatch, i: int, start: int
+    ) -> TextDelta | None:
+        """Entry i of batch, its tokens starting at token_ids[start], with all it carries."""
+        n = batch.counts[i]
+        ids = batch.token_ids[start : start + n]
+        scored = batch.prompt_logprobs[i] if batch.prompt_logprobs else None
+        if scored is not None and req.num_prompt_top is not None:
+            req.prompt_logprobs = self._logprobs.build(
+                scored.token_ids, list(scored.logprobs), req.num_prompt_top
+            )
+        token_lps = None
+        if req.num_top is not None and batch.logprobs:
+            token_lps = self._logprobs.build(ids, batch.logprobs[start : start + n], req.num_top)
+        error = batch.errors[i] if batch.errors else ""
+        delta = req.step(ids, batch.finish_reasons[i], batch.num_prompt_tokens[i], token_lps, error)
+        if delta is not None and batch.num_cached_tokens:
+            delta.num_cached_tokens = batch.num_cached_tokens[i]
+        return delta

@@ -51,11 +51,14 @@ class StopMatcher:
     def _partial(self, buf: str) -> int:
         """Length of the longest suffix of buf that is a proper prefix of a stop string."""
         n = len(buf)
-        for k in range(min(self._keep, n), 0, -1):
-            if buf[n - k] not in self._firsts:
-                continue
-            suffix = buf[n - k :]
-            for s in self.stops:
-                if s.startswith(suffix):
-                    return k
-        return 0
+        low = max(0, n - self._keep)
+        best = 0
+        for first in self._firsts:  # why: find() skips the chars that start no stop string
+            i = buf.find(first, low)
+            while 0 <= i < n - best:  # a suffix from i would be longer than the best so far
+                suffix = buf[i:]
+                if any(s.startswith(suffix) for s in self.stops):
+                    best = n - i
+                    break
+                i = buf.find(first, i + 1)
+        return best

@@ -8,12 +8,12 @@ from tests.detokenizer.util import deltas_of, make_batch, make_new
 TEXT = "The quick brown fox jumps over the lazy dog, while 東京 sleeps under 🌙 light. " * 8
 
 
-def _bench_step(benchmark, tokenizer, batch_size: int) -> None:
+def _bench_step(benchmark, tokenizer, batch_size: int, **params) -> None:
     """One decode step: batch_size running requests, one new token each."""
     ids = tokenizer.encode(TEXT).ids
     state = DetokenizerState(tokenizer)
     for r in range(batch_size):
-        state.add(make_new(f"r{r}", frontend_id=r % 2))
+        state.add(make_new(f"r{r}", frontend_id=r % 2, **params))
     batches = [
         make_batch([(f"r{r}", [ids[(k + r) % len(ids)]], "") for r in range(batch_size)])
         for k in range(len(ids))
@@ -63,6 +63,11 @@ def _bench_step(benchmark, tokenizer, batch_size: int) -> None:
 
 def test_bench_detok_step_256(benchmark, tokenizer):
     _bench_step(benchmark, tokenizer, 256)
+
+
+def test_bench_detok_step_256_stop_strings(benchmark, tokenizer):
+    # stop strings that never match nor start in TEXT: every token is scanned, none held back
+    _bench_step(benchmark, tokenizer, 256, stop=("<END>", "[[stop]]"))
 
 
 @pytest.mark.parametrize("batch_size", [1, 32])

@@ -130,12 +130,18 @@ class _BrokenStream:
         raise RuntimeError("boom")
 
 
+def _break(state: DetokenizerState, request_id: str) -> None:
+    """Every later token of the request fails: it goes to a stream that raises."""
+    req = state._requests[request_id]
+    req._stream, req._whole = _BrokenStream(), False
+
+
 def test_a_failing_request_ends_alone(tokenizer):
     ids = tokenizer.encode("fine").ids
     state = DetokenizerState(tokenizer)
     state.add(make_new("bad"))
     state.add(make_new("good"))
-    state._requests["bad"]._stream = _BrokenStream()
+    _break(state, "bad")
     out = step(state, [("bad", ids, ""), ("good", ids, "")])
     bad, good = out.deltas[0]
     assert (bad.finish_reason, bad.error) == ("error", "detokenizer: RuntimeError: boom")
@@ -153,7 +159,7 @@ def test_a_failure_in_the_core_last_step_is_not_reported_back(tokenizer):
     ids = tokenizer.encode("fine").ids
     state = DetokenizerState(tokenizer)
     state.add(make_new("bad"))
-    state._requests["bad"]._stream = _BrokenStream()
+    _break(state, "bad")
     (bad,) = step(state, [("bad", ids, "length")]).deltas[0]
     assert (bad.finish_reason, bad.error) == ("error", "detokenizer: RuntimeError: boom")
     assert state.num_requests == 0

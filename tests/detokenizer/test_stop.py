@@ -76,3 +76,21 @@ def test_random_chunkings_match_a_plain_search(include: bool):
         out, hit = run(stops, pieces, include)
         assert hit == bool(found)
         assert "".join(out) == want, (text, stops, pieces)
+
+
+def test_held_back_suffix_is_the_longest_start_of_a_stop():
+    rng = random.Random(1)
+    alphabet = "ab c\n"
+    for _ in range(5000):
+        stops = tuple({"".join(rng.choices(alphabet, k=rng.randint(1, 5))) for _ in "xyz"})
+        buf = "".join(rng.choices(alphabet, k=rng.randint(0, 12)))
+        keep = max(map(len, stops)) - 1
+        want = next(
+            (
+                k
+                for k in range(min(keep, len(buf)), 0, -1)
+                if any(s.startswith(buf[len(buf) - k :]) for s in stops)
+            ),
+            0,
+        )
+        assert StopMatcher(stops, include=False)._partial(buf) == want, (buf, stops)
