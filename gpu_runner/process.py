@@ -10,18 +10,19 @@ import zmq
 
 from gapless.core.common.channel import Receiver, Sender
 from gapless.core.common.config import EngineConfig
-from gapless.core.common.messages import RunnerInput, RunnerOutput, RunnerReady, Shutdown, StepPlan
+from gapless.core.common.messages import RunnerInput, RunnerOutput, RunnerReady, Shutdown
 from gapless.core.common.process import RUNNER_IN, RUNNER_OUT, ControlReporter, stop_requested
 from gapless.gpu_runner.threads import set_wait_policy
 
-IDLE_POLL_MS = 100
+IDLE_POLL_S = 0.1
 
 
 def run_gpu_runner(config: EngineConfig) -> None:
     """Loads the model, reports its KV capacity, then runs plans strictly in order.
 
     The loop launches every plan that has arrived before it publishes the oldest finished
-    step, so a plan for step n+1 reaches the device while step n's ids are still being copied.
+    step, so a plan for step n+1 reaches the device while step n's ids are still being copied,
+    and it waits for plans, never sleeps, while a step runs.
     """
     ctx = zmq.Context()
     control = ControlReporter(ctx, config, "gpu_runner")
@@ -37,26 +38,16 @@ def run_gpu_runner(config: EngineConfig) -> None:
         control.ready(num_kv_blocks=backend.num_blocks)
         inflight: deque = deque()
         while not stop_requested():
-            # 1. launch every plan that is waiting, without blocking
-            if inflight:
-                wait_s = backend.seconds_until_ready(inflight[0])
-                # whole ms only: the remainder is slept below, so publishing is not late by ~1 ms
-                timeout_ms = min(IDLE_POLL_MS, int(wait_s * 1000)) if wait_s > 0 else 0
-            else:
-                timeout_ms = IDLE_POLL_MS
-            msg = plans.recv(timeout_ms=timeout_ms)
-            if isinstance(msg, Shutdown):
-                break
-            if isinstance(msg, StepPlan):
-                inflight.append(backend.launch(msg))
-                for more in plans.drain():
-                    if isinstance(more, Shutdown):
+            # 1. launch every plan that is waiting; wait for one no longer than the oldest
+            #    step has left, so no plan waits while the device runs and nothing is late
+            wait_s = backend.seconds_until_ready(inflight[0]) if inflight else IDLE_POLL_S
+            if plans.wait(wait_s):
+                for msg in plans.drain():
+                    if isinstance(msg, Shutdown):
                         return
-                    inflight.append(backend.launch(more))
+                    inflight.append(backend.launch(msg))
             # 2. publish the oldest step once its ids are on the host
-            if inflight and msg is None and backend.seconds_until_ready(inflight[0]) < 1e-3:
-                results.send(backend.collect(inflight.popleft()))
-            elif inflight and backend.seconds_until_ready(inflight[0]) <= 0:
+            if inflight and backend.seconds_until_ready(inflight[0]) <= 0:
                 results.send(backend.collect(inflight.popleft()))
     except Exception as e:
         control.fatal(f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
