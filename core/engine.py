@@ -277,11 +277,16 @@ class EngineCore:
             out = StepOutput()
         n = len(out.requests)
         batch = TokenBatch(
-            request_ids=[r.request_id for r in out.requests],
+            # copies: requests that ended outside the step are appended below
+            request_ids=[*out.request_ids]
+            if out.request_ids is not None
+            else [r.request_id for r in out.requests],
             counts=[1] * n,
             token_ids=out.token_ids,
             finish_reasons=out.end_reasons,
-            num_prompt_tokens=[r.num_prompt for r in out.requests],
+            num_prompt_tokens=[*out.num_prompt_tokens]
+            if out.num_prompt_tokens is not None
+            else [r.num_prompt for r in out.requests],
             logprobs=out.logprobs,
             prompt_logprobs=out.prompt_logprobs,
         )

@@ -21,6 +21,8 @@ class DecodeSet:
     every step. Rows are the running requests in admission order."""
 
     requests: list[Request]
+    request_ids: list[str]  # [n] of requests
+    num_prompt_tokens: list[int]  # [n] of requests
     slots: np.ndarray  # [n] int64
     slot_list: list[int]  # [n] the same, for plans
     epochs: np.ndarray  # [n] slot epochs
@@ -102,6 +104,8 @@ class RunningBatch:
         limit, has_stop_ids = self.limit[slots], self.has_stop_ids[slots]
         return DecodeSet(
             requests=list(requests),
+            request_ids=[r.request_id for r in requests],
+            num_prompt_tokens=[r.num_prompt for r in requests],
             slots=slots,
             slot_list=slots.tolist(),
             epochs=self.epoch[slots],

@@ -73,6 +73,9 @@ class StepOutput:
     logprobs: list[SampleLogprobs | None] = field(default_factory=list)  # empty: none asked
     # per request: its prompt logprobs, with its first output token; empty: none in this step
     prompt_logprobs: list[PromptLogprobs | None] = field(default_factory=list)
+    # per request, when every row of a decode set is in order (else None: read the requests)
+    request_ids: list[str] | None = None
+    num_prompt_tokens: list[int] | None = None
 
 
 class Scheduler:
@@ -573,6 +576,8 @@ class Scheduler:
             requests += moved_requests
             t = tokens[rows]
         out.requests, out.token_ids, out.end_reasons = requests, t.tolist(), reasons
+        if d is not None:
+            out.request_ids, out.num_prompt_tokens = d.request_ids, d.num_prompt_tokens
         if result.logprobs:
             logprobs = result.logprobs
             out.logprobs = list(logprobs) if rows is None else [logprobs[j] for j in rows.tolist()]

@@ -129,10 +129,14 @@ class PersistentBatch:
         # block tables: append each entry's new blocks after the ones the slot already has
         if plan.new_blocks:
             nb = np.asarray(plan.num_new_blocks, dtype=np.int64)  # [B]
-            rows = np.repeat(slots, nb)
-            offs = np.arange(nb.sum()) - np.repeat(np.cumsum(nb) - nb, nb)
-            self.block_table[rows, self.num_blocks[rows] + offs] = plan.new_blocks
-            np.add.at(self.num_blocks, slots, nb)
+            if len(plan.new_blocks) == plan.num_new_blocks.count(1):  # decodes: one at most
+                rows = slots[nb == 1]
+                self.block_table[rows, self.num_blocks[rows]] = plan.new_blocks
+            else:
+                rows = np.repeat(slots, nb)
+                offs = np.arange(nb.sum()) - np.repeat(np.cumsum(nb) - nb, nb)
+                self.block_table[rows, self.num_blocks[rows] + offs] = plan.new_blocks
+            self.num_blocks[slots] += nb  # a plan names each slot once
 
         # per token: entry, position, cache row
         b = len(slots)

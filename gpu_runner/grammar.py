@@ -94,6 +94,8 @@ class GrammarRows:
 
     def feed_plan(self, plan: StepPlan) -> None:
         """Constrained slots' outputs carried by a plan (a recompute) go to their matchers."""
+        if not self._matchers:
+            return
         slots = np.asarray(plan.slots, np.int64)
         if not self.any_in(slots):
             return

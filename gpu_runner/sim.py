@@ -170,7 +170,7 @@ class SimBackend:
         n, ctx = inp.layout.num_tokens[:b], inp.layout.ctx_len[:b]  # [B] each
         assert (self.batch.num_blocks[plan.slots] * bs >= ctx).all(), "plan outruns its KV blocks"
         t = inp.num_tokens
-        assert (self.batch.column(SLOT_MAPPING, t) >= bs).all(), (
+        assert (self.batch.table.numpy()[:t, SLOT_MAPPING] >= bs).all(), (
             "a token would be written to the reserved block 0"
         )
         # keys attended: query i of an entry sees start + i + 1 keys (causal)
