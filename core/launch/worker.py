@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import ctypes
 import os
+import platform
+import struct
 import sys
 
 from gapless.core.common.process import child_setup, parent_gone, remove_run
@@ -18,6 +20,24 @@ def _set_name(name: str) -> None:
 # why: on a small machine the roles compete for cores; the core and the runner feed the
 # device, so the roles that only stream text yield to them under contention
 NICE = {"detokenizer": 5, "frontend": 5}
+# why: a core or runner woken by a message waited for a busy core for up to several ms, and the
+# device with it; asking for a short slice lets it preempt sooner (Linux 6.12+, unprivileged).
+# Sim h100-llama3.2-1b, 128 streams of 128:1024 on 2 cores, 4 runs each alternating: steady-
+# decode idle 2.8-4.1% (mean 3.3%) with it, 3.7-6.4% (mean 4.8%) without
+SLICE_NS = {"core": 100_000, "gpu_runner": 100_000}
+_SCHED_SETATTR = {"x86_64": 314, "aarch64": 274}  # syscall numbers
+
+
+def _ask_slice(ns: int) -> None:
+    """Ask the kernel for a time slice of ns for this process (sched_attr.sched_runtime of
+    SCHED_OTHER); a kernel without custom slices ignores or refuses it, and nothing changes."""
+    number = _SCHED_SETATTR.get(platform.machine())
+    if not sys.platform.startswith("linux") or number is None:
+        return
+    nice = os.getpriority(os.PRIO_PROCESS, 0)
+    # struct sched_attr: size, policy, flags, nice, priority, runtime, deadline, period, util
+    attr = struct.pack("IIQiIQQQII", 56, 0, 0, nice, 0, ns, 0, 0, 0, 0)
+    ctypes.CDLL(None, use_errno=True).syscall(number, 0, ctypes.create_string_buffer(attr), 0)
 
 
 def main(argv: list[str]) -> None:
@@ -25,6 +45,8 @@ def main(argv: list[str]) -> None:
     config = child_setup(role if role != "frontend" else f"frontend{argv[1]}")
     if NICE.get(role):
         os.nice(NICE[role])
+    if SLICE_NS.get(role):
+        _ask_slice(SLICE_NS[role])
     try:
         _run(role, config, argv)
     finally:
