@@ -12,6 +12,7 @@ import pytest
 
 from gapless.core.common.messages import AddRequest, SamplingParams, StepResult
 from gapless.core.policy import make_policy
+from tests.core.test_prefix_cache import check_blocks
 from tests.core.test_scheduler import EOS, make_scheduler
 
 
@@ -72,12 +73,7 @@ def _run(seed: int, general: bool, policy: str, depth: int, **config):
             ids = [_token(r.request_id, len(r.output_ids)) for r in step.sampled]
             out = s.update_from_output(step, StepResult(seq=step.plan.seq, token_ids=ids))
             log.append(([r.request_id for r in out.requests], out.token_ids, out.end_reasons))
-        s.blocks.check()
-        held: dict[int, int] = {}
-        for req in s.running:
-            for b in req.blocks:
-                held[b] = held.get(b, 0) + 1
-        assert held == {b: n for b, n in enumerate(s.blocks._ref) if n}, "references"
+        check_blocks(s)
         if not arrivals and not inflight and not s.has_work:
             break
     assert not s.has_work and not inflight, "the run ends"

@@ -276,20 +276,24 @@ def test_fair_share_charges_only_computed_prompt_tokens():
 # ------------------------------------------------------------------ the engine
 
 
+def check_blocks(s) -> None:
+    """The allocator's invariants: blocks in one place, and every running request's
+    references counted."""
+    s.blocks.check()
+    held: dict[int, int] = {}
+    for req in s.running:
+        for b in req.blocks:
+            held[b] = held.get(b, 0) + 1
+    assert held == {b: n for b, n in enumerate(s.blocks._ref) if n}, "references"
+
+
 def checked(h: Harness) -> Harness:
-    """Assert the allocator's invariants after every step: blocks in one place, and every
-    running request's references counted."""
+    """Assert the allocator's invariants after every step."""
     step = h.core.step
 
     def step_and_check(result=None):
         out = step(result)
-        s = h.scheduler
-        s.blocks.check()
-        held: dict[int, int] = {}
-        for req in s.running:
-            for b in req.blocks:
-                held[b] = held.get(b, 0) + 1
-        assert held == {b: n for b, n in enumerate(s.blocks._ref) if n}, "references"
+        check_blocks(h.scheduler)
         return out
 
     h.core.step = step_and_check
