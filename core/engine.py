@@ -1,8 +1,8 @@
 """The engine core in-process: request state, the scheduler and the pipeline, with no sockets.
 
 `handle(msg)` takes what frontends and the detokenizer send; `step(result)` applies a step's
-result (if one came), plans up to `depth` steps ahead and returns everything to send, and to
-whom. core/process.py owns the sockets and moves messages in and out; tests drive this class
+result (if one came), plans up to `depth` steps ahead (1 without overlap, 2, or 3 while the
+device's steps are short) and returns everything to send, and to whom. core/process.py owns the sockets and moves messages in and out; tests drive this class
 directly with an in-process runner.
 """
 
@@ -56,15 +56,31 @@ class EngineOutputs:
     frontend: list[tuple[int, FrontendInput]] = field(default_factory=list)  # (frontend id, msg)
 
 
+# weight of the newest step in the moving average of device step time (about the last 16)
+STEP_AVERAGE_WEIGHT = 1 / 16
+
+
 class EngineCore:
     """Plans up to `depth` steps ahead of the results; depth 2 overlaps the host's work on
-    step n's ids with the device running step n+1."""
+    step n's ids with the device running step n+1.
+
+    Depth 3, while the device's steps are shorter than `deep_plan_ms`: with two in flight the
+    host's whole round trip (step n's ids published, applied, step n+2 planned, sent and
+    prepared) must fit in one step, and on a busy host it does not. Sim h100-llama3.2-1b, 128
+    streams at ~1.9 ms steps on 2 shared cores: that round trip took 1.2 ms at the median of
+    the steps that kept the device fed, and the core and the runner waited 0.5-0.6 s for a core
+    each per 2.5 s run; steady-decode idle 6.4-13.0% at depth 2 against 1.4-5.0% at depth 3
+    (4 runs each, alternating). What depth 3 costs: a request that arrives waits one step
+    more for its first, and one more row of a finished request is computed and dropped, which
+    is little while steps are short; at longer steps (h100-llama3-8b, the cpu device) depth
+    stays 2.
+    """
 
     def __init__(
         self, config: EngineConfig, num_kv_blocks: int, metrics: CoreMetrics | None = None
     ) -> None:
         self.config = config
-        self.depth = 2 if config.overlap else 1
+        self._step_s = float("inf")  # moving average of device step time; none seen yet
         self.scheduler = Scheduler(
             num_blocks=num_kv_blocks,
             block_size=config.block_size,
@@ -90,6 +106,13 @@ class EngineCore:
         self._queue_checked_at = -1.0  # time.monotonic() the queue was last looked at
         self._queue_state: QueueState | None = None
         self._freed: deque[tuple[float, int]] = deque()  # (monotonic, seats freed), last 10 s
+
+    @property
+    def depth(self) -> int:
+        """How many steps may be in flight now."""
+        if not self.config.overlap:
+            return 1
+        return 3 if self._step_s * 1e3 < self.config.deep_plan_ms else 2
 
     @property
     def has_work(self) -> bool:
@@ -228,7 +251,8 @@ class EngineCore:
         self._out.frontend.extend((f, state) for f in range(n))
 
     def _plan_ahead(self) -> None:
-        while len(self.inflight) < self.depth:
+        depth = self.depth
+        while len(self.inflight) < depth:
             t0 = time.perf_counter()
             step = self.scheduler.schedule()
             if step is None:
@@ -261,6 +285,11 @@ class EngineCore:
             apply_s=apply_s,
         )
         assert result.timing is not None  # record() asserted it
+        busy = result.timing.device_end - result.timing.device_start
+        if self._step_s == float("inf"):
+            self._step_s = busy
+        else:
+            self._step_s += STEP_AVERAGE_WEIGHT * (busy - self._step_s)
         reasons = out.end_reasons
         if reasons.count("") < len(reasons):  # why: most steps end nothing; skip the Python loop
             reasons = [CLIENT_REASON.get(r, r) for r in reasons if r]

@@ -31,7 +31,7 @@ FED_POSITIONS = 8  # [F]
 FED_IDS = 9  # [F]
 NUM_COLS = 10
 _EMPTY = np.zeros(0, np.int64)
-STAGING_DEPTH = 2  # pinned host tables on cuda; the runner has at most two steps in flight
+STAGING_DEPTH = 3  # pinned host tables on cuda; the runner has at most three steps in flight
 
 
 @dataclass
@@ -100,7 +100,7 @@ class PersistentBatch:
         self._turn = (self._turn + 1) % len(self._staging)
         done = self._copied[self._turn]
         if done is not None and not done.query():
-            done.synchronize()  # why: the GPU is two steps behind; rewriting would race the copy
+            done.synchronize()  # why: the GPU may run steps behind; rewriting would race the copy
         return self._staging[self._turn].numpy()
 
     def upload(self, inp: StepInputs) -> None:

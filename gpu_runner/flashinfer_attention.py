@@ -111,7 +111,7 @@ class FlashinferAttention:
 
     def _before_plan(self, wrapper) -> None:
         # why: plan() rewrites the wrapper's pinned host buffer, which the previous plan's async
-        # copy may not have read yet when the device runs two steps behind
+        # copy may not have read yet when the device runs steps behind
         done = self._planned.get(id(wrapper))
         if done is not None and not done.query():
             done.synchronize()

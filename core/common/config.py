@@ -116,6 +116,15 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             },
         ),
     ] = True
+    deep_plan_ms: Annotated[
+        float,
+        msgspec.Meta(
+            description="while the device's steps take less than this many ms (a moving "
+            "average), plan three steps ahead of the results instead of two, so a host stall "
+            "shorter than two steps costs the device nothing; 0: always two",
+            ge=0,
+        ),
+    ] = 4.0
     prefix_caching: Annotated[
         bool,
         msgspec.Meta(

@@ -39,6 +39,7 @@ FLAGS = {
     "--block-size": "16",
     "--kv-cache-memory": "512MiB",
     "--no-overlap": "overlap on",
+    "--deep-plan-ms": "4.0",
     "--no-prefix-caching": "prefix caching on",
     "--scheduling-policy {fair,priority,fcfs}": "fair",
     "--fair-output-weight": "2.0",
@@ -172,6 +173,8 @@ def test_flags_become_fields():
         "--no-cuda-graph",
         "--drain-timeout",
         "5",
+        "--deep-plan-ms",
+        "0",
         "--kv-cache-memory",
         "1GiB",
         "--device",
@@ -183,7 +186,7 @@ def test_flags_become_fields():
         "--model",
         "dir/m.gguf",
     )
-    assert (config.overlap, config.cuda_graph) == (False, False)
+    assert (config.overlap, config.cuda_graph, config.deep_plan_ms) == (False, False, 0.0)
     assert config.drain_timeout_s == 5.0 and isinstance(config.drain_timeout_s, float)
     assert config.kv_cache_memory == 2**30
     assert (config.device, config.trace_file, config.api_key) == ("sim", "t.json", "k")

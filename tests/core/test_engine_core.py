@@ -30,10 +30,15 @@ def small_cache_engine(config: EngineConfig, usable_blocks: int, metrics=None) -
     return Harness(config, backend=sim, metrics=metrics)
 
 
-@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
-def test_whole_lives_under_preemption(config, overlap):
+# (overlap, deep_plan_ms) -> the steps in flight: 3 when every step is "short"
+DEPTHS = {1: (False, 0.0), 2: (True, 0.0), 3: (True, 1e9)}
+
+
+@pytest.mark.parametrize("depth", [3, 2, 1], ids=["deep", "overlap", "no-overlap"])
+def test_whole_lives_under_preemption(config, depth):
     registry = CollectorRegistry()
-    cfg = msgspec.structs.replace(config, overlap=overlap)
+    overlap, deep_plan_ms = DEPTHS[depth]
+    cfg = msgspec.structs.replace(config, overlap=overlap, deep_plan_ms=deep_plan_ms)
     h = small_cache_engine(cfg, usable_blocks=12, metrics=CoreMetrics(registry))
     long = SamplingParams(max_tokens=40)
     arrivals = {
@@ -45,7 +50,7 @@ def test_whole_lives_under_preemption(config, overlap):
 
     s = h.scheduler
     assert s.num_preemptions > 0, "12 blocks hold two of these requests, not four"
-    assert h.max_inflight == (2 if overlap else 1)
+    assert h.max_inflight == depth
     assert h.finish == {
         "a": "length",
         "b": "length",
@@ -87,3 +92,17 @@ def test_abort_of_a_waiting_request_and_an_unknown_id(config):
     assert h.finish == {"first": "length", "queued": "abort"}
     assert h.outputs["queued"] == [] and h.deltas["queued"] == []
     assert h.scheduler.requests == {} and h.detok.num_requests == 0
+
+
+@pytest.mark.parametrize("scale, depth", [(1.0, 3), (10.0, 2)], ids=["short-steps", "long-steps"])
+def test_plans_three_ahead_only_while_the_device_steps_are_short(config, scale, depth):
+    """h100-llama3.2-1b decodes one request in ~1 ms a step, under the default deep_plan_ms
+    of 4; ten times slower, over it."""
+    cfg = msgspec.structs.replace(config, sim_profile="h100-llama3.2-1b", sim_time_scale=scale)
+    assert cfg.deep_plan_ms == 4.0, "the default"
+    h = Harness(cfg, backend=SimBackend(cfg))
+    assert h.core.depth == 2, "no step seen yet: two ahead"
+    h.run({0: [("a", PROMPT, SamplingParams(max_tokens=30))]})
+    assert h.max_inflight == depth
+    assert h.core.depth == depth
+    assert len(h.outputs["a"]) == 30 and h.finish["a"] == "length"

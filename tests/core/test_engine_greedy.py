@@ -37,7 +37,9 @@ def reference(tiny_model_dir):
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["no-overlap", "overlap"])
+@pytest.mark.parametrize(
+    "depth, deep_plan_ms", [(1, 0.0), (2, 0.0), (3, 1e9)], ids=["no-overlap", "overlap", "deep"]
+)
 @pytest.mark.parametrize(
     "limits",
     [
@@ -47,9 +49,10 @@ GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)
     ],
     ids=["roomy", "chunked", "preempting"],
 )
-def test_greedy_equals_transformers(tiny_model_dir, reference, overlap, limits):
+def test_greedy_equals_transformers(tiny_model_dir, reference, depth, deep_plan_ms, limits):
     prompts, want = reference
-    h = Harness(make_config(tiny_model_dir, overlap=overlap, **limits))
+    config = make_config(tiny_model_dir, overlap=depth > 1, deep_plan_ms=deep_plan_ms, **limits)
+    h = Harness(config)
     arrivals: dict = {}
     for i, p in enumerate(prompts):  # staggered arrivals: join while others decode
         arrivals.setdefault(2 * i, []).append((f"r{i}", p, GREEDY))
@@ -60,4 +63,4 @@ def test_greedy_equals_transformers(tiny_model_dir, reference, overlap, limits):
     if "kv_cache_memory" in limits:
         assert h.scheduler.num_preemptions > 0, "the small cache was meant to force preemption"
     assert h.scheduler.blocks.num_free == h.scheduler.blocks.num_usable
-    assert h.max_inflight == (2 if overlap else 1)
+    assert h.max_inflight == depth

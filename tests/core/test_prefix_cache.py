@@ -334,7 +334,9 @@ def shared_prefix_reference(tiny_model_dir):
     return prompts, want
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["no-overlap", "overlap"])
+@pytest.mark.parametrize(
+    "depth, deep_plan_ms", [(1, 0.0), (2, 0.0), (3, 1e9)], ids=["no-overlap", "overlap", "deep"]
+)
 @pytest.mark.parametrize(
     "limits",
     [
@@ -344,12 +346,18 @@ def shared_prefix_reference(tiny_model_dir):
     ids=["chunked", "preempting"],
 )
 def test_greedy_outputs_equal_transformers_with_caching_on_and_off(
-    tiny_model_dir, shared_prefix_reference, overlap, limits
+    tiny_model_dir, shared_prefix_reference, depth, deep_plan_ms, limits
 ):
     prompts, want = shared_prefix_reference
     hits = {}
     for caching in (False, True):
-        config = make_config(tiny_model_dir, overlap=overlap, prefix_caching=caching, **limits)
+        config = make_config(
+            tiny_model_dir,
+            overlap=depth > 1,
+            deep_plan_ms=deep_plan_ms,
+            prefix_caching=caching,
+            **limits,
+        )
         h = checked(Harness(config))
         arrivals: dict = {}
         for i, p in enumerate(prompts):  # staggered: later ones find the earlier ones' blocks
@@ -361,6 +369,7 @@ def test_greedy_outputs_equal_transformers_with_caching_on_and_off(
         if "kv_cache_memory" in limits:
             assert s.num_preemptions > 0, f"caching {caching}: the small cache was meant to preempt"
         assert s.blocks.num_free == s.blocks.num_usable
+        assert h.max_inflight == depth
         hits[caching] = s.num_hit_tokens
         cached = [h.deltas[f"r{i}"][-1].num_cached_tokens for i in range(len(prompts))]
         assert (sum(cached) > 0) == caching, cached
