@@ -158,7 +158,10 @@ def plot(points: list[Point], plot_dir: Path, threshold: float = IDLE_THRESHOLD)
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
 
+    steps = [p.step_ms for p in points if p.step_ms]
+    lo, hi = (min(steps), max(steps)) if steps else (0.25, 16)
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for batch in sorted({p.batch for p in points}):
         for overlap in (True, False):
@@ -177,6 +180,10 @@ def plot(points: list[Point], plot_dir: Path, threshold: float = IDLE_THRESHOLD)
             )
     ax.axhline(100 * threshold, color="grey", linewidth=0.8, linestyle=":")
     ax.set_xscale("log")
+    # why: a log axis labels its minor ticks as 3x10^-1, 4x10^-1, ..., which run together
+    ax.xaxis.set_major_formatter(ScalarFormatter())
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set_xticks([t for t in (0.25, 0.5, 1, 2, 4, 8, 16) if lo / 1.5 <= t <= hi * 1.5])
     ax.set_xlabel("steady decode step, ms (sim)")
     ax.set_ylabel("device idle, steady decode (%)")
     ax.set_title("Host floor: device idle vs step time (sim)")
