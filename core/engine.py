@@ -2,8 +2,9 @@
 
 `handle(msg)` takes what frontends and the detokenizer send; `step(result)` applies a step's
 result (if one came), plans up to `depth` steps ahead (1 without overlap, 2, or 3 while the
-device's steps are short) and returns everything to send, and to whom. core/process.py owns the sockets and moves messages in and out; tests drive this class
-directly with an in-process runner.
+device's steps are short) and returns everything to send, and to whom. core/process.py owns
+the sockets and moves messages in and out; tests drive this class directly with an in-process
+runner.
 """
 
 from __future__ import annotations

@@ -38,7 +38,8 @@ IDLE_POLL_MS = 100  # how long to block with nothing to do before looking at sto
 
 
 class StatsLine:
-    """A periodic log line while the engine has work: running, waiting, KV use, tok/s, idle %."""
+    """A periodic log line while the engine has work: running, waiting, KV use, tok/s, idle %,
+    and how many steps the core plans ahead now."""
 
     def __init__(self, core: EngineCore, interval_s: float) -> None:
         self.core = core
@@ -61,6 +62,7 @@ class StatsLine:
                 "kv_used": round(used / max(1, blocks.num_usable), 3),
                 "tok_per_s": round(self.num_tokens / (now - self._at), 1),
                 "idle_pct": round(100 * idle / (busy + idle), 1) if busy + idle > 0 else 0.0,
+                "steps_ahead": self.core.depth,
             }
             log.info("stats", extra={"fields": fields})
         self._at, self.num_tokens = now, 0

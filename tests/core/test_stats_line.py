@@ -28,6 +28,7 @@ def test_stats_line_while_busy_and_none_when_idle(default_gguf, caplog) -> None:
     (line,) = [r.fields for r in caplog.records if r.getMessage() == "stats"]
     assert line["running"] == 2 and line["waiting"] == 1
     assert 0 < line["kv_used"] < 1 and line["tok_per_s"] > 0 and 0 <= line["idle_pct"] <= 100
+    assert line["steps_ahead"] == 1, "overlap off"
     caplog.clear()
     stats.maybe_log(stats._at + 0.5)  # not due yet
     assert not [r for r in caplog.records if r.getMessage() == "stats"]
