@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+import msgspec
 
-from gapless.bench.sse import SSEDecoder
+from gapless.bench.sse import SSEStream
 
 
 @dataclass
@@ -86,23 +87,53 @@ def _error_text(body: bytes) -> str:
     return body[:200].decode("utf-8", "replace").strip()
 
 
-def _chunk_text(chunk: dict[str, Any]) -> str:
+class _Delta(msgspec.Struct):
+    content: str | None = None
+
+
+class _Choice(msgspec.Struct):
+    text: str | None = None  # completions
+    delta: _Delta | None = None  # chat completions
+
+
+class _PromptDetails(msgspec.Struct):
+    cached_tokens: int | None = None
+
+
+class _Usage(msgspec.Struct):
+    completion_tokens: int | None = None
+    prompt_tokens: int | None = None
+    prompt_tokens_details: _PromptDetails | None = None
+
+
+class _Chunk(msgspec.Struct):
+    """The fields of a streamed chunk that a record needs; the rest are skipped unread."""
+
+    choices: list[_Choice] | None = None
+    usage: _Usage | None = None
+    error: Any = None
+
+
+_chunk_decoder = msgspec.json.Decoder(_Chunk)
+
+
+def _chunk_text(chunk: _Chunk) -> str:
     parts = []
-    for choice in chunk.get("choices") or []:
-        text = choice.get("text")
-        if text is None:
-            text = (choice.get("delta") or {}).get("content")
+    for choice in chunk.choices or ():
+        text = choice.text
+        if text is None and choice.delta is not None:
+            text = choice.delta.content
         parts.append(text or "")
     return "".join(parts)
 
 
-def _read_prompt_usage(usage: dict[str, Any], record: RequestRecord) -> None:
+def _read_prompt_usage(usage: _Usage, record: RequestRecord) -> None:
     """Cached prompt tokens, and the prompt's length where the sender did not know it (0)."""
-    details = usage.get("prompt_tokens_details")
-    if isinstance(details, dict) and details.get("cached_tokens") is not None:
-        record.cached_tokens = int(details["cached_tokens"])
-    if record.prompt_len == 0 and usage.get("prompt_tokens") is not None:
-        record.prompt_len = int(usage["prompt_tokens"])
+    details = usage.prompt_tokens_details
+    if details is not None and details.cached_tokens is not None:
+        record.cached_tokens = details.cached_tokens
+    if record.prompt_len == 0 and usage.prompt_tokens is not None:
+        record.prompt_len = usage.prompt_tokens
 
 
 async def stream_completion(
@@ -121,36 +152,35 @@ async def stream_completion(
             if resp.status != 200:
                 record.error = f"HTTP {resp.status}: {_error_text(await resp.read())}"
                 return record
-            decoder = SSEDecoder()
-            async for raw in resp.content:  # one line each, with its newline
-                event = decoder.feed(raw.decode().rstrip("\n"))
-                if event is None:
-                    continue
-                if event.data.strip() == "[DONE]":
-                    done = True
-                    break
+            stream = SSEStream()
+            async for data in resp.content.iter_any():  # whatever has arrived
                 now = time.perf_counter()
-                chunk = json.loads(event.data)
-                if event.event == "error" or (isinstance(chunk, dict) and "error" in chunk):
-                    record.error = f"error event: {_error_text(event.data.encode())}"
-                    return record
-                if text := _chunk_text(chunk):
-                    chunks += 1
-                    if record.text is not None:
-                        record.text.append(text)
-                    if record.ttft is None:
-                        record.ttft = now - record.start
-                    else:
-                        record.itl.append(now - last)
-                    last = now
-                usage = chunk.get("usage")
-                if usage and usage.get("completion_tokens") is not None:
-                    usage_tokens = int(usage["completion_tokens"])
-                    _read_prompt_usage(usage, record)
+                for event in stream.feed(data):
+                    if event.data.strip() == "[DONE]":
+                        done = True
+                        break
+                    chunk = _chunk_decoder.decode(event.data)
+                    if event.event == "error" or chunk.error is not None:
+                        record.error = f"error event: {_error_text(event.data.encode())}"
+                        return record
+                    if text := _chunk_text(chunk):
+                        chunks += 1
+                        if record.text is not None:
+                            record.text.append(text)
+                        if record.ttft is None:
+                            record.ttft = now - record.start
+                        else:
+                            record.itl.append(now - last)
+                        last = now
+                    if (usage := chunk.usage) and usage.completion_tokens is not None:
+                        usage_tokens = usage.completion_tokens
+                        _read_prompt_usage(usage, record)
+                if done:
+                    break
     except (aiohttp.ClientError, TimeoutError) as exc:
         record.error = f"{type(exc).__name__}: {str(exc) or 'no detail'}"
         return record
-    except (ValueError, AttributeError) as exc:
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
         record.error = f"bad stream event: {exc}"
         return record
     finally:

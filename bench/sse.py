@@ -1,4 +1,4 @@
-"""Server-sent events from a stream of lines: `data:` fields joined per event."""
+"""Server-sent events from a stream of bytes: `data:` fields joined per event."""
 
 from __future__ import annotations
 
@@ -40,3 +40,35 @@ class SSEDecoder:
         event = Event("\n".join(self._data), self._event)
         self._data, self._event = [], "message"
         return event
+
+
+class SSEStream:
+    """Feed a body's bytes as they arrive; the events they complete come back in order.
+
+    The usual event, one `data: ` line and a blank line, is cut from the bytes directly; any
+    other (comments, `event:` lines, several data lines) goes line by line through SSEDecoder.
+    CRLF line ends become LF first. why: a load generator on the server's cores reads tens of
+    thousands of events a second, and reading line by line cost it a coroutine per line.
+    """
+
+    def __init__(self) -> None:
+        self._rest = b""
+
+    def feed(self, data: bytes) -> list[Event]:
+        data = self._rest + data
+        if b"\r" in data:
+            cut = len(data) - 1 if data.endswith(b"\r") else len(data)  # its \n may come next
+            data = data[:cut].replace(b"\r\n", b"\n") + data[cut:]
+        blocks = data.split(b"\n\n")
+        self._rest = blocks.pop()
+        events = []
+        for block in blocks:
+            if block.startswith(b"data: ") and b"\n" not in block:
+                events.append(Event(block[6:].decode()))
+                continue
+            decoder = SSEDecoder()
+            for line in block.decode().split("\n"):
+                decoder.feed(line)
+            if (event := decoder.flush()) is not None:
+                events.append(event)
+        return events

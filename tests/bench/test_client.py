@@ -10,7 +10,7 @@ from aiohttp.test_utils import TestServer
 
 from gapless.bench.client import RequestRecord, completion_payload, stream_completion
 from gapless.bench.loadgen import LoadSpec, run_load
-from gapless.bench.sse import Event, SSEDecoder
+from gapless.bench.sse import Event, SSEDecoder, SSEStream
 from gapless.bench.workloads import BenchRequest, Workload
 from tests.bench.fake_openai import FakeOpenAI, ThreadedServer
 from tests.server import free_port
@@ -39,6 +39,22 @@ def test_sse_decoder():
         "data: [DONE]",
     ]
     assert feed_all(lines) == [
+        Event('{"a": 1}'),
+        Event('{"error": 1}', "error"),
+        Event("line one\nline two"),
+        Event("[DONE]"),
+    ]
+
+
+@pytest.mark.parametrize("cut", [1, 2, 3, 5, 7, 1000])
+def test_sse_stream_reads_events_however_the_bytes_are_cut(cut):
+    body = (
+        b': keep-alive\n\ndata: {"a": 1}\n\nevent: error\ndata:{"error": 1}\r\n\r\n'
+        b"data: line one\ndata: line two\r\n\n\ndata: [DONE]\n\ndata: unfinished"
+    )
+    stream = SSEStream()
+    events = [e for i in range(0, len(body), cut) for e in stream.feed(body[i : i + cut])]
+    assert events == [
         Event('{"a": 1}'),
         Event('{"error": 1}', "error"),
         Event("line one\nline two"),
