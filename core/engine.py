@@ -107,11 +107,6 @@ class EngineCore:
         self._queue_checked_at = -1.0  # time.monotonic() the queue was last looked at
         self._queue_state: QueueState | None = None
         self._freed: deque[tuple[float, int]] = deque()  # (monotonic, seats freed), last 10 s
-        # steady steps' token batches not yet sent, all of the same requests in the same order;
-        # they go together once _tokens_due (time.monotonic()) has come
-        self._held: list[TokenBatch] = []
-        self._tokens_due = 0.0
-        self._last_ids: list[str] = []  # request_ids of the last step's batch
 
     @property
     def depth(self) -> int:
@@ -206,9 +201,7 @@ class EngineCore:
         if self.config.max_queue_wait_s is not None:
             self._expire_waiting(now, self.config.max_queue_wait_s)
         if out is not None or self._ended:
-            self._send_tokens(self._token_batch(out), now)
-        elif self._held and now >= self._tokens_due:
-            self._flush_tokens(now)
+            self._out.detok.append(self._token_batch(out))
         self._plan_ahead()
         self.metrics.observe_queues(self.scheduler)
         if now - self._queue_checked_at >= QUEUE_STATE_INTERVAL_S:
@@ -307,50 +300,6 @@ class EngineCore:
         if not self.inflight and not self.scheduler.has_work:
             self.timeline.went_empty()
         return out
-
-    def tokens_due_in(self, now: float) -> float | None:
-        """Seconds until held tokens must go to the detokenizer; None while none are held."""
-        return max(0.0, self._tokens_due - now) if self._held else None
-
-    def _send_tokens(self, batch: TokenBatch, now: float) -> None:
-        """Send a step's batch, or hold it to go with the next steps' tokens.
-
-        A batch is held while the last message went less than stream_interval_ms ago, if it
-        is steady: one plain token for each of the same requests, in the same order, as the
-        step before. A first token, an end, logprobs, or a request joining or leaving sends
-        at once, with what was held. why: at 1-2 ms steps a message per step cost the
-        detokenizer, the frontend and every client a wake-up and an event per token, on the
-        cores the device's feeders share (docs/architecture.md, "Tokens of short steps travel
-        together")."""
-        if not batch.request_ids:  # a step of prompt chunks only: nothing to send
-            return
-        steady = batch.request_ids == self._last_ids and not (
-            batch.logprobs
-            or batch.prompt_logprobs
-            or batch.errors
-            or batch.num_cached_tokens
-            or any(batch.finish_reasons)
-        )
-        self._last_ids = batch.request_ids
-        if self._held and not steady:
-            self._flush_tokens(now)
-        if not steady or (not self._held and now >= self._tokens_due):
-            self._out.detok.append(batch)
-            self._tokens_due = now + self.config.stream_interval_ms / 1e3
-            return
-        self._held.append(batch)
-        if now >= self._tokens_due:
-            self._flush_tokens(now)
-
-    def _flush_tokens(self, now: float) -> None:
-        """The held batches as one: each request's tokens in step order."""
-        held, self._held = self._held, []
-        batch = held[0]
-        if len(held) > 1:
-            batch.counts = [len(held)] * len(batch.counts)
-            batch.token_ids = [t for ids in zip(*(b.token_ids for b in held)) for t in ids]
-        self._out.detok.append(batch)
-        self._tokens_due = now + self.config.stream_interval_ms / 1e3
 
     def _token_batch(self, out: StepOutput | None) -> TokenBatch:
         """One step's tokens, then the requests that ended outside it (no token)."""

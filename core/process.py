@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import time
 
 import zmq
@@ -112,11 +111,8 @@ class CoreProcess:
             # 2. apply the result that came, plan ahead, send what that produced
             self.send(core.step(result))
             result = None
-            # 3. wait for the oldest step's result, or for input while idle; no longer than
-            #    held tokens may wait for the detokenizer
-            due_s = core.tokens_due_in(time.monotonic())
-            timeout = IDLE_POLL_MS if due_s is None else min(IDLE_POLL_MS, math.ceil(due_s * 1e3))
-            events = dict(poller.poll(timeout))
+            # 3. wait for the oldest step's result, or for input while idle
+            events = dict(poller.poll(IDLE_POLL_MS))
             if self.results.socket in events:
                 # timeout 0: a stray frame was dropped, and nothing else may have come
                 match self.results.recv(timeout_ms=0):

@@ -125,15 +125,6 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             ge=0,
         ),
     ] = 4.0
-    stream_interval_ms: Annotated[
-        float,
-        msgspec.Meta(
-            description="send a running request's tokens to the detokenizer at most this "
-            "often: steps shorter than this carry on their tokens to the next message, so a "
-            "stream gets one event for them; first tokens and ends go at once; 0: every step",
-            ge=0,
-        ),
-    ] = 3.0
     prefix_caching: Annotated[
         bool,
         msgspec.Meta(

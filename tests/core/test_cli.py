@@ -40,7 +40,6 @@ FLAGS = {
     "--kv-cache-memory": "512MiB",
     "--no-overlap": "overlap on",
     "--deep-plan-ms": "4.0",
-    "--stream-interval-ms": "3.0",
     "--no-prefix-caching": "prefix caching on",
     "--scheduling-policy {fair,priority,fcfs}": "fair",
     "--fair-output-weight": "2.0",

@@ -4,15 +4,12 @@ cache small enough to force preemption."""
 
 from __future__ import annotations
 
-import time
-from collections import deque
-
 import msgspec
 import pytest
 from prometheus_client import CollectorRegistry
 
 from gapless.core.common.config import EngineConfig
-from gapless.core.common.messages import SamplingParams, TokenBatch
+from gapless.core.common.messages import SamplingParams
 from gapless.core.common.model_files import load_tokenizer
 from gapless.core.metrics import CoreMetrics
 from gapless.gpu_runner.sim import SimBackend
@@ -109,62 +106,3 @@ def test_plans_three_ahead_only_while_the_device_steps_are_short(config, scale, 
     assert h.max_inflight == depth
     assert h.core.depth == depth
     assert len(h.outputs["a"]) == 30 and h.finish["a"] == "length"
-
-
-def test_steady_tokens_travel_together_and_first_tokens_and_ends_at_once(config):
-    """With an interval no step reaches, every steady step's tokens are held: each request's
-    first token goes alone, the rest go together when a request leaves, and the text is the
-    same as one token at a time."""
-    tokenizer = load_tokenizer(config.model)
-    runs = {}
-    for interval in (0.0, 1e9):
-        cfg = msgspec.structs.replace(config, stream_interval_ms=interval)
-        h = Harness(cfg, backend=SimBackend(cfg))
-        batches: list[TokenBatch] = []
-        process = h.detok.process
-        h.detok.process = lambda batch, out: (batches.append(batch), process(batch, out))
-        short, long = SamplingParams(max_tokens=12), SamplingParams(max_tokens=30)
-        h.run({0: [("a", PROMPT, short), ("b", PROMPT, long)]})
-        runs[interval] = h, batches
-    every, _ = runs[0.0]
-    held, batches = runs[1e9]
-    assert held.outputs == every.outputs, "the same tokens, in order"
-    for rid, n in (("a", 12), ("b", 30)):
-        assert len(held.outputs[rid]) == n and held.finish[rid] == "length"
-        assert [len(d.token_ids) for d in every.deltas[rid]] == [1] * n
-        text = "".join(d.text for d in held.deltas[rid])
-        assert text == "".join(d.text for d in every.deltas[rid])
-        assert text == tokenizer.decode(held.outputs[rid])
-    sizes = {rid: [len(d.token_ids) for d in held.deltas[rid]] for rid in ("a", "b")}
-    # step 1 prefills a and part of b: a's first token goes alone. Step 2: b's first token
-    # with a's second, at once (b joined). Steps 3-11 are steady: held, 9 each. Step 12 ends
-    # a: sent at once after them. Step 13 is b alone (a left: sent at once), 14-30 steady
-    # but for the last, which ends b
-    assert sizes == {"a": [1, 1, 9, 1], "b": [1, 9, 1, 1, 17, 1]}, sizes
-    assert max(max(b.counts) for b in batches) == 17
-    assert held.core.tokens_due_in(0.0) is None, "nothing held once every request ended"
-
-
-def test_held_tokens_go_when_due_without_another_step(config):
-    """Tokens held while no further result comes are sent by the core's own turn once
-    stream_interval_ms has passed; tokens_due_in says how long the loop may wait."""
-    cfg = msgspec.structs.replace(config, stream_interval_ms=200.0)
-    h = Harness(cfg, backend=SimBackend(cfg))
-    h.add("a", PROMPT, SamplingParams(max_tokens=100))
-    core, backend = h.core, h.backend
-    inflight: deque = deque()
-    sent: list[TokenBatch] = []
-    result = None
-    while core.tokens_due_in(time.monotonic()) is None:  # until a steady step's tokens wait
-        out = core.step(result)
-        sent += [m for m in out.detok if isinstance(m, TokenBatch)]
-        inflight += [backend.launch(plan) for plan in out.plans]
-        result = backend.collect(inflight.popleft())
-    assert sent and all(m.counts == [1] for m in sent), "the first token went at once"
-    due = core.tokens_due_in(time.monotonic())
-    assert due is not None and 0 <= due <= 0.2
-    time.sleep(due)
-    out = core.step(None)
-    (flushed,) = [m for m in out.detok if isinstance(m, TokenBatch)]
-    assert flushed.request_ids == ["a"] and flushed.counts == [1]
-    assert core.tokens_due_in(time.monotonic()) is None
