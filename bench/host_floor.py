@@ -53,16 +53,12 @@ def floor_of(points: list[Point], threshold: float = IDLE_THRESHOLD) -> float | 
 
 
 def _point(batch: int, overlap: bool, scale: float, run: dict[str, Any], steps: list) -> Point:
-    from gapless.bench.timeline import steady_decode
-
-    steady = steady_decode(steps)
-    step_ms = float(np.median([s["forward_ms"] for s in steady])) if steady else None
     host = [sum(s.get(k) or 0.0 for k in ("schedule_ms", "prepare_ms", "apply_ms")) for s in steps]
     return Point(
         batch=batch,
         overlap=overlap,
         scale=scale,
-        step_ms=step_ms,
+        step_ms=run.get("steady_decode_step_ms"),
         idle=run.get("steady_decode_idle_fraction"),
         host_ms=float(np.median(host)) if host else None,
         tpot_ms=(run.get("tpot_ms") or {}).get("p50"),

@@ -54,6 +54,7 @@ def format_run(run: dict[str, Any]) -> str:
         ("Device", device_label(run)),
         ("Device idle" + sim, "-" if idle is None else f"{100 * idle:.1f} %"),
         ("Device idle, steady decode" + sim, _pct(run.get("steady_decode_idle_fraction"))),
+        ("Median step, steady decode (ms)" + sim, _num(run.get("steady_decode_step_ms"), 3)),
         ("Prompt tokens cached (server)", _pct(run.get("cached_token_fraction"))),
     ]
     title = f" {run['target']} | {run['workload']} "

@@ -92,18 +92,22 @@ def timeline_summary(before: dict[str, Any] | None, after: dict[str, Any] | None
             "overlap": None,
             "device_idle_fraction": None,
             "steady_decode_idle_fraction": None,
+            "steady_decode_step_ms": None,
             "step_breakdown_ms": dict.fromkeys(STAGES),
             "timeline": None,
         }
     before_seq = last_seq(before)
     steps = run_steps(after, before_seq)
     fraction, busy, idle = idle_fraction(steps)
+    steady = steady_decode(steps)
     first = steps[0]["seq"] if steps else None
     return {
         "device": after.get("device"),
         "overlap": after.get("overlap"),
         "device_idle_fraction": fraction,
-        "steady_decode_idle_fraction": idle_fraction(steady_decode(steps))[0],
+        "steady_decode_idle_fraction": idle_fraction(steady)[0],
+        # the step a client's TPOT is set by: the median forward of the full batch's decode
+        "steady_decode_step_ms": step_breakdown(steady)["forward"],
         "step_breakdown_ms": step_breakdown(steps),
         "timeline": {
             "num_steps": len(steps),

@@ -76,6 +76,20 @@ def test_timeline_reduction_uses_only_the_runs_steps():
     assert out["timeline"]["num_steps"] == 5 and out["timeline"]["complete"]
 
 
+def test_steady_step_is_the_full_batch_decode_median():
+    """Admission (prefill) and drain (a smaller batch) steps are shorter; TPOT is set by the
+    full batch's decode steps, whose median forward the summary reports apart."""
+    steps = (
+        [step(i, 0.01 * i, 0.9, 0, num_prefill_tokens=64) for i in range(4)]  # admission
+        + [step(i, 0.01 * i, 2.0 + 0.1 * (i % 3), 0, num_seqs=128) for i in range(4, 9)]
+        + [step(i, 0.01 * i, 1.2, 0, num_seqs=40) for i in range(9, 16)]  # drain
+    )
+    out = timeline_summary(None, {"device": "sim:x", "overlap": True, "steps": steps})
+    assert out["steady_decode_step_ms"] == pytest.approx(2.1)
+    assert out["step_breakdown_ms"]["forward"] == pytest.approx(1.2), "every step's median"
+    assert timeline_summary(None, None)["steady_decode_step_ms"] is None
+
+
 def test_no_timeline_gives_nulls():
     out = timeline_summary(None, None)
     assert out["device"] is None and out["device_idle_fraction"] is None
