@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> None:
     runner = ModelRunner(config)
     print(
         f"runner ready in {time.perf_counter() - start:.1f} s (--cpu-wait {config.cpu_wait}, "
-        f"--threads {config.threads}, --dtype {config.dtype}, --quantization "
+        f"--threads {config.threads}, --dtype {str(runner.dtype).removeprefix('torch.')}, --quantization "
         f"{config.quantization}, {'compiled' if runner.compiled else 'eager'} decode); "
         f"load {os.getloadavg()}",
         flush=True,

@@ -9,7 +9,7 @@ from typing import Annotated, Literal
 import msgspec
 
 Device = Literal["cpu", "sim", "cuda"]
-DType = Literal["bfloat16", "float32", "float16"]
+DType = Literal["auto", "bfloat16", "float32", "float16"]
 CpuWait = Literal["short", "passive", "spin"]
 Quantization = Literal["none", "int8", "int4"]
 SchedulingPolicy = Literal["fair", "priority", "fcfs"]
@@ -84,9 +84,13 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     model: Annotated[ModelInfo, NOT_A_FLAG]
     served_model_name: Annotated[str, NOT_A_FLAG]  # cli.py names it from --model
     device: Annotated[Device, msgspec.Meta(description="where the model runs")] = "cpu"
-    dtype: Annotated[DType, msgspec.Meta(description="dtype of weights and activations")] = (
-        "bfloat16"
-    )
+    dtype: Annotated[
+        DType,
+        msgspec.Meta(
+            description="dtype of weights and activations; auto: bfloat16 on cuda, and on a CPU "
+            "that computes bfloat16 natively (AVX-512 BF16, AMX, Arm BF16), else float32"
+        ),
+    ] = "auto"
     quantization: Annotated[
         Quantization,
         msgspec.Meta(

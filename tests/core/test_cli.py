@@ -32,7 +32,7 @@ FLAGS = {
     "--served-model-name": "from --model",
     "--max-model-len": "none",
     "--device {cpu,sim,cuda}": "cpu",
-    "--dtype {bfloat16,float32,float16}": "bfloat16",
+    "--dtype {auto,bfloat16,float32,float16}": "auto",
     "--quantization {none,int8,int4}": "none",
     "--max-num-seqs": "64",
     "--max-num-batched-tokens": "512",
