@@ -15,7 +15,16 @@ from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4
 from gapless.core.common import metrics as core_metrics
 from gapless.core.common.messages import HEARTBEAT_TIMEOUT_S, KEEP_STEPS
 from gapless.frontend import metrics
-from gapless.frontend.asgi import ClientGone, HttpRequest, Receive, Responder, Scope, Send, encoder
+from gapless.frontend.asgi import (
+    CHUNK_WRITER,
+    ClientGone,
+    HttpRequest,
+    Receive,
+    Responder,
+    Scope,
+    Send,
+    encoder,
+)
 from gapless.frontend.chat import handle_chat
 from gapless.frontend.completions import handle_completions
 from gapless.frontend.engine_client import EngineDeadError
@@ -71,7 +80,10 @@ class App:
             return
         started = time.perf_counter()
         req = HttpRequest(scope, receive)
-        out = Responder(send, [(b"x-request-id", req.request_id.encode())])
+        extensions = scope.get("extensions") or {}
+        out = Responder(
+            send, [(b"x-request-id", req.request_id.encode())], extensions.get(CHUNK_WRITER)
+        )
         try:
             await self._route(req, out)
         except ApiError as exc:

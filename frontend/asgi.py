@@ -31,6 +31,8 @@ _SSE = [
 _DONE = b"data: [DONE]\n\n"
 _KEEPALIVE = b": keep-alive\n\n"
 WATCH_TICK_S = 0.5  # how often a stream's writes are looked at
+# the scope extension with a server's `write_now(chunk) -> bool` (frontend/http.py)
+CHUNK_WRITER = "gapless.chunk_writer"
 
 
 _REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")  # printable ASCII, no spaces
@@ -104,10 +106,19 @@ class SlowReader(Exception):
 
 
 class Responder:
-    """Sends one response: a JSON body, or an SSE stream started on its first event."""
+    """Sends one response: a JSON body, or an SSE stream started on its first event.
 
-    def __init__(self, send: Send, headers: Sequence[tuple[bytes, bytes]] = ()) -> None:
+    `write_now`, where the server gives one (frontend/http.py, CHUNK_WRITER), writes a body
+    chunk at once or returns False; `event_now` uses it for the usual event of a stream."""
+
+    def __init__(
+        self,
+        send: Send,
+        headers: Sequence[tuple[bytes, bytes]] = (),
+        write_now: Callable[[bytes], bool] | None = None,
+    ) -> None:
         self._send = send
+        self._write_now = write_now
         self._headers = list(headers)  # on every response (X-Request-Id)
         self.status = 0  # sent; 0 until a response starts
         self.started = False
@@ -139,6 +150,14 @@ class Responder:
     async def event(self, payload: bytes) -> None:
         """One SSE `data:` event holding already encoded JSON."""
         await self._stream_write(b"data: " + payload + b"\n\n")
+
+    def event_now(self, payload: bytes) -> bool:
+        """`event`, done at once without awaiting: True if written, False (nothing written)
+        if the stream has not started, has ended, or cannot take it without a wait."""
+        write = self._write_now
+        if write is None or not self.streaming or self.finished:
+            return False
+        return write(b"data: " + payload + b"\n\n")
 
     async def comment(self) -> None:
         """An SSE comment, which clients ignore: it keeps proxies from cutting a quiet stream."""

@@ -73,10 +73,15 @@ class ChatChunks:
     def opening(self, index: int, first: TextDelta) -> bytes | None:
         return self._encode([ChatChunkChoice(index, ChatDelta(role="assistant", content=""))])
 
+    def plain(self, index: int, delta: TextDelta) -> bytes | None:
+        if not self._plain or delta.finish_reason is not None:
+            return None
+        around = self._around[index] or self._split(index)
+        return around[0] + encoder.encode(delta.text) + around[1]
+
     def delta(self, index: int, delta: TextDelta) -> bytes | None:
-        if self._plain and delta.finish_reason is None:  # the usual chunk: text only
-            around = self._around[index] or self._split(index)
-            return around[0] + encoder.encode(delta.text) + around[1]
+        if (chunk := self.plain(index, delta)) is not None:  # the usual chunk: text only
+            return chunk
         logprobs = chat_logprobs(delta.logprobs or []) if self._logprobs else None
         text, calls, reason = delta.text, None, delta.finish_reason
         if self._readers is not None:

@@ -75,10 +75,15 @@ class CompletionChunks:
         self._offsets[index] = len(text)
         return encoder.encode(self._chunk([CompletionChoice(index, text, logprobs)]))
 
+    def plain(self, index: int, delta: TextDelta) -> bytes | None:
+        if self._logprobs or delta.finish_reason is not None:
+            return None
+        around = self._around[index] or self._split(index)
+        return around[0] + encoder.encode(delta.text) + around[1]
+
     def delta(self, index: int, delta: TextDelta) -> bytes:
-        if not self._logprobs and delta.finish_reason is None:  # the usual chunk: text only
-            around = self._around[index] or self._split(index)
-            return around[0] + encoder.encode(delta.text) + around[1]
+        if (chunk := self.plain(index, delta)) is not None:  # the usual chunk: text only
+            return chunk
         logprobs = None
         if self._logprobs:
             logprobs = completion_logprobs(delta.logprobs or [], self._offsets[index])

@@ -157,6 +157,8 @@ class EngineClient:
                     if inbox is None:  # the request was aborted here already
                         continue
                     waiting = len(inbox)
+                    if not waiting and inbox.offer(delta, received):
+                        continue
                     if waiting < self.max_pending:
                         inbox.put_delta((delta, received), received)
                     elif waiting == self.max_pending:  # once; later deltas are dropped
@@ -226,6 +228,7 @@ class EngineClient:
         label: str = "",
         cache_salt: str = "",
         choice_block_hashes: list[list[bytes]] | None = None,
+        direct: Callable[[int, TextDelta, float], bool] | None = None,
     ) -> AsyncIterator[tuple[int, TextDelta]]:
         """One engine request per params entry (ids `{request_id}-{i}`), merged as
         (choice index, delta) until every choice's last delta (one with a finish_reason).
@@ -236,6 +239,11 @@ class EngineClient:
         gives each choice its own prompt (a batch of completion prompts).
 
         With `keepalive_s` > 0, yields IDLE (-1, None) after each keepalive_s without a delta.
+
+        `direct(index, delta, received)` may handle a delta that does not end its choice in
+        place of the consumer, called by the listener while the consumer waits here with
+        every earlier delta handled; it returns True if it did (the delta is not yielded),
+        False to have it yielded as usual (Inbox.offer).
 
         Raises EngineDeadError if the engine is or becomes dead, StreamCut if this frontend
         ends the request (Overflow past max_pending unsent deltas). Leaving early (break,
@@ -253,6 +261,14 @@ class EngineClient:
         assert ticket.num_queued == len(params), "a ticket for another number of choices"
         unstarted = self.queue.unstarted
         inbox = Inbox(asyncio.get_running_loop(), keepalive_s)
+        if direct is not None:
+
+            def offered(delta: TextDelta, received: float) -> bool:
+                if delta.finish_reason is not None:
+                    return False
+                return direct(index[delta.request_id], delta, received)
+
+            inbox.direct = offered
         for rid in ids:
             self._queues[rid] = inbox
             unstarted[rid] = ticket

@@ -80,6 +80,11 @@ class ChunkFormat(Protocol):
         """The chunk for this delta; None when there is nothing to send yet."""
         ...
 
+    def plain(self, index: int, delta: TextDelta) -> bytes | None:
+        """`delta`'s chunk if it is the usual one, text only and built from nothing but the
+        delta's text (so it changes no state of the format); None otherwise."""
+        ...
+
     def usage(self, usage: Usage) -> bytes: ...
 
 
@@ -143,16 +148,32 @@ def usage_of(job: Job, num_output_tokens: list[int], num_cached_tokens: list[int
 
 
 async def _deltas(
-    state: FrontendState, job: Job, keepalive_s: float = 0.0
+    state: FrontendState,
+    job: Job,
+    keepalive_s: float = 0.0,
+    direct: Callable[[int, TextDelta, float], bool] | None = None,
 ) -> AsyncIterator[tuple[int, TextDelta]]:
     """The engine's deltas for the job, with failures raised as ApiError and metrics observed
-    (and, with keepalive_s, engine_client.IDLE when none came for that long)."""
+    (and, with keepalive_s, engine_client.IDLE when none came for that long). `direct` is
+    generate_n's: what it takes after the first token is observed here too, not yielded."""
     observer = metrics.observer
     observer.arrived(job.endpoint, job.num_prompt_tokens)
     first = True
     outputs = [0] * len(job.params)
     last = [0.0] * len(job.params)  # perf_counter of each choice's previous delta
     reason = None
+
+    def offered(index: int, delta: TextDelta, received: float) -> bool:
+        if first or direct is None or not direct(index, delta, received):
+            return False
+        if delta.token_ids:
+            now = time.perf_counter()
+            if last[index]:
+                observer.delta(now - last[index], len(delta.token_ids))
+            last[index] = now
+        outputs[index] = delta.num_output_tokens
+        return True
+
     stream = state.engine.generate_n(
         job.request_id,
         job.prompt_ids[0],
@@ -166,6 +187,7 @@ async def _deltas(
         label=job.label,
         cache_salt=job.cache_salt,
         choice_block_hashes=_choice_block_hashes(state.config, job),
+        direct=None if direct is None else offered,
     )
     try:
         async with aclosing(stream):
@@ -220,7 +242,13 @@ async def stream(
     state: FrontendState, job: Job, out: Responder, fmt: ChunkFormat, include_usage: bool
 ) -> None:
     """SSE chunks as deltas arrive, a usage chunk if asked, then [DONE]. The response starts
-    with the first delta, so a failure before it still gets a proper HTTP status."""
+    with the first delta, so a failure before it still gets a proper HTTP status.
+
+    While this waits for its next delta, the engine client's listener writes the usual
+    chunk (text only, of an opened choice that goes on) itself, if the connection takes it
+    without a wait (`written_now`): at 1-2 ms steps and hundreds of streams, waking this
+    handler for every step cost several times the socket write (docs/architecture.md,
+    "Streaming at the host floor")."""
     opened = [False] * len(job.params)
     outputs = [0] * len(job.params)
     ended = [False] * len(job.params)
@@ -228,8 +256,19 @@ async def stream(
     observer = metrics.observer
     engine = state.engine
     keepalive_s = state.config.sse_keepalive_s
+
+    def written_now(index: int, delta: TextDelta, received: float) -> bool:
+        if not opened[index]:
+            return False
+        chunk = fmt.plain(index, delta)
+        if chunk is None or not out.event_now(chunk):
+            return False
+        outputs[index] = delta.num_output_tokens
+        observer.streamed(time.perf_counter() - received)
+        return True
+
     try:
-        async with aclosing(_deltas(state, job, keepalive_s)) as deltas:
+        async with aclosing(_deltas(state, job, keepalive_s, written_now)) as deltas:
             async for index, delta in deltas:
                 if index < 0:  # nothing came for keepalive_s
                     await out.comment()

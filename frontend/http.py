@@ -1,21 +1,50 @@
-"""uvicorn's httptools protocol with a bound on the request head (request line and headers).
+"""uvicorn's httptools protocol with a bound on the request head (request line and headers),
+and a way to write a streaming body's chunk without a trip through the ASGI `send`.
 
 httptools collects a header's value in full before any callback sees it, so the bound is kept
 on the bytes read while a head is incomplete: past `max_head_bytes` the connection gets a 431
 and is closed at once, before the app (and its API-key check) runs and before reading more.
+
+Each request's scope carries, under `extensions[CHUNK_WRITER]`, a callable that writes one
+chunk of a started chunked body at once and returns True, or returns False and writes nothing
+when that cannot be done without waiting (the client is gone, the transport asked to pause,
+the response is not a chunked body in progress): the frontend's engine listener writes a
+stream's usual SSE event through it while the stream's handler waits for its next delta
+(frontend/generation.py, `stream`), instead of waking the handler for it.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from gapless.frontend import metrics
-from gapless.frontend.asgi import encoder
+from gapless.frontend.asgi import CHUNK_WRITER, encoder
 from gapless.frontend.errors import ApiError
 
 log = logging.getLogger("gapless.frontend")
+
+
+def chunk_writer(cycle: RequestResponseCycle) -> Callable[[bytes], bool]:
+    """Writes one body chunk of `cycle`'s response, as its `send` would with more_body, if
+    that needs no wait; the same state `send` keeps decides."""
+
+    def write(body: bytes) -> bool:
+        if (
+            cycle.disconnected
+            or cycle.flow.write_paused
+            or not cycle.response_started
+            or cycle.response_complete
+            or not cycle.chunked_encoding
+            or not body
+        ):
+            return False
+        cycle.transport.write(b"%x\r\n%b\r\n" % (len(body), body))
+        return True
+
+    return write
 
 
 def head_limited(max_head_bytes: int) -> type[HttpToolsProtocol]:
@@ -35,6 +64,10 @@ def head_limited(max_head_bytes: int) -> type[HttpToolsProtocol]:
         def on_headers_complete(self) -> None:
             self._reading_head, self._head_bytes = False, 0
             super().on_headers_complete()
+            cycle = self.cycle
+            if cycle is not None and cycle.scope is self.scope:  # not an upgrade
+                extensions = self.scope.setdefault("extensions", {})
+                extensions[CHUNK_WRITER] = chunk_writer(cycle)
 
         def on_message_complete(self) -> None:
             self._reading_head = True

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
+from collections.abc import Callable
 from typing import Any
+
+log = logging.getLogger("gapless.frontend")
 
 IDLE = object()  # marker: idle_s passed without a delta
 
@@ -19,9 +23,22 @@ class Inbox:
 
     With idle_s > 0, IDLE is put after each idle_s without a delta while nothing waits, by
     one timer per request that re-arms itself, not one timer per wait.
+
+    `direct`, when the consumer sets one, may take a delta in its place while the consumer
+    waits with nothing queued (`offer`): the consumer's own handling, done by the producer,
+    with no task woken. Whatever it declines is queued as usual.
     """
 
-    __slots__ = ("_deltas", "_marks", "_waiter", "_loop", "_idle_s", "_timer", "_last_delta")
+    __slots__ = (
+        "_deltas",
+        "_marks",
+        "_waiter",
+        "_loop",
+        "_idle_s",
+        "_timer",
+        "_last_delta",
+        "direct",
+    )
 
     def __init__(self, loop: asyncio.AbstractEventLoop, idle_s: float = 0.0) -> None:
         self._deltas: list[Any] = []
@@ -31,6 +48,7 @@ class Inbox:
         self._idle_s = idle_s
         self._last_delta = time.perf_counter()
         self._timer = loop.call_later(idle_s, self._tick) if idle_s > 0 else None
+        self.direct: Callable[[Any, float], bool] | None = None
 
     def __len__(self) -> int:
         """Deltas waiting."""
@@ -41,6 +59,23 @@ class Inbox:
         self._deltas.append(item)
         self._last_delta = received
         self._wake()
+
+    def offer(self, item: Any, received: float) -> bool:
+        """Hands a delta item to `direct` if the consumer waits with nothing queued, so that
+        everything before it has been handled; True if `direct` took it. A `direct` that
+        raises is logged and not asked again: the delta, and the later ones, are queued."""
+        direct = self.direct
+        if direct is None or self._waiter is None or self._deltas or self._marks:
+            return False
+        try:
+            taken = direct(item, received)
+        except Exception:
+            log.exception("a stream's direct write failed; it goes through its handler now")
+            self.direct = None
+            return False
+        if taken:
+            self._last_delta = received
+        return taken
 
     def put(self, marker: object) -> None:
         self._marks.append(marker)
@@ -69,6 +104,7 @@ class Inbox:
         return deltas, marks
 
     def close(self) -> None:
+        self.direct = None
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None

@@ -139,14 +139,17 @@ class LiveStreams:
         deltas = [TextDelta(add.request_id, TEXT, [TOKEN], 1, self.num_steps) for add in self.added]
         return msgspec.msgpack.encode(TextDeltas(deltas))
 
-    async def step(self, frame: bytes) -> None:
-        """Dispatch one frame; return once every stream has written its event."""
+    async def step(self, frame: bytes) -> bool:
+        """Dispatch one frame; return once every stream has written its event: True if all
+        were written while dispatching (by the listener, no handler woken)."""
         observer = self.observer
         observer.written = 0
         observer.expected = self.num_streams
         observer.done = asyncio.get_running_loop().create_future()
         self.engine.dispatch(self.decoder.decode(frame))
+        at_once = observer.done.done()
         await observer.done
+        return at_once
 
     def drain(self) -> None:
         """Read what the clients were sent so far (kept for `check`)."""
