@@ -128,6 +128,7 @@ class EngineClient:
         self._queues: dict[str, Inbox] = {}
         self._counter = itertools.count()
         self._replies: dict[int, asyncio.Future] = {}  # token -> answer of the core
+        self._held: list[Inbox] = []  # inboxes holding deltas until flush_held
         self._on_dead: list[Callable[[str], None]] = []
         # perf_counter when the delta generate_n yielded last reached this frontend; valid until
         # the consumer's next await
@@ -144,10 +145,14 @@ class EngineClient:
     def on_dead(self, callback: Callable[[str], None]) -> None:
         self._on_dead.append(callback)
 
-    def dispatch(self, msg: FrontendInput) -> None:
+    def dispatch(self, msg: FrontendInput, flush: bool = True) -> None:
+        """Hands what the engine sent to the requests it is for. A stream with a `direct`
+        (generate_n) has its deltas held and, with `flush`, offered to it or its handler
+        woken; without, they wait for a later dispatch's flush (`flush_held`), to go out as
+        one event with what comes next (the listener has more frames waiting)."""
         match msg:
             case TextDeltas(deltas=deltas):
-                queues, unstarted = self._queues, self.queue.unstarted
+                queues, unstarted, held = self._queues, self.queue.unstarted, self._held
                 received = time.perf_counter()
                 for delta in deltas:
                     rid = delta.request_id
@@ -157,12 +162,15 @@ class EngineClient:
                     if inbox is None:  # the request was aborted here already
                         continue
                     waiting = len(inbox)
-                    if not waiting and inbox.offer(delta, received):
-                        continue
                     if waiting < self.max_pending:
-                        inbox.put_delta((delta, received), received)
+                        if inbox.direct is None:
+                            inbox.put_delta((delta, received), received)
+                        elif inbox.hold((delta, received), received):
+                            held.append(inbox)
                     elif waiting == self.max_pending:  # once; later deltas are dropped
                         self._overflow(rid, inbox)
+                if flush:
+                    self.flush_held()
             case QueueState():
                 self.queue.update(msg)
             case Heartbeat():
@@ -173,6 +181,12 @@ class EngineClient:
                 waiter = self._replies.pop(token, None)
                 if waiter is not None and not waiter.done():
                     waiter.set_result(msg)
+
+    def flush_held(self) -> None:
+        """Every held delta to its stream's `direct` or handler (Inbox.flush)."""
+        held, self._held = self._held, []
+        for inbox in held:
+            inbox.flush()
 
     def _overflow(self, rid: str, inbox: Inbox) -> None:
         """A request's client stopped reading: free its KV now, end its stream when its
@@ -242,8 +256,9 @@ class EngineClient:
 
         `direct(index, delta, received)` may handle a delta that does not end its choice in
         place of the consumer, called by the listener while the consumer waits here with
-        every earlier delta handled; it returns True if it did (the delta is not yielded),
-        False to have it yielded as usual (Inbox.offer).
+        every earlier delta handled (several that waited come joined, as they would be
+        yielded); it returns True if it did (the delta is not yielded), False to have it
+        yielded as usual (Inbox.flush).
 
         Raises EngineDeadError if the engine is or becomes dead, StreamCut if this frontend
         ends the request (Overflow past max_pending unsent deltas). Leaving early (break,
@@ -263,7 +278,13 @@ class EngineClient:
         inbox = Inbox(asyncio.get_running_loop(), keepalive_s)
         if direct is not None:
 
-            def offered(delta: TextDelta, received: float) -> bool:
+            def offered(items: list[tuple[TextDelta, float]]) -> bool:
+                delta, received = items[0]
+                if len(items) > 1:
+                    rid = delta.request_id
+                    if any(d.request_id != rid for d, _ in items):  # several choices
+                        return False
+                    delta = _joined([d for d, _ in items])
                 if delta.finish_reason is not None:
                     return False
                 return direct(index[delta.request_id], delta, received)
@@ -386,19 +407,26 @@ class ZmqEngineClient(EngineClient):
         receiver = self._receiver
         burst = max(1, self.max_pending // 4)
         while True:
-            self.dispatch(await receiver.recv())
+            msg = await receiver.recv()
             # why: a frame already here makes recv() return without yielding, so a frontend
             # that fell behind would dispatch its whole backlog before any stream wrote,
             # the streams' unsent deltas passing max_pending as if their clients had stopped
             # reading. Frames that wait are dispatched a burst at a time (at most a quarter
             # of max_pending, or BURST_S), then every stream writes what came as one event.
+            # The streams' `direct` gets the burst's deltas at its end, joined: an event per
+            # frame, written at once, is what a frontend behind cannot afford.
             until = time.perf_counter() + BURST_S
-            for _ in range(burst - 1):
-                if not receiver.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-                    break
-                self.dispatch(await receiver.recv())
-                if time.perf_counter() > until:
-                    break
+            try:
+                for _ in range(burst - 1):
+                    if not receiver.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                        break
+                    self.dispatch(msg, flush=False)
+                    msg = await receiver.recv()
+                    if time.perf_counter() > until:
+                        break
+                self.dispatch(msg)
+            finally:
+                self.flush_held()
             await asyncio.sleep(0)
 
     def _listener_done(self, task: asyncio.Task[None]) -> None:

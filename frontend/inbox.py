@@ -24,9 +24,11 @@ class Inbox:
     With idle_s > 0, IDLE is put after each idle_s without a delta while nothing waits, by
     one timer per request that re-arms itself, not one timer per wait.
 
-    `direct`, when the consumer sets one, may take a delta in its place while the consumer
-    waits with nothing queued (`offer`): the consumer's own handling, done by the producer,
-    with no task woken. Whatever it declines is queued as usual.
+    `direct`, when the consumer sets one, may handle deltas in its place while it waits: the
+    producer `hold`s deltas (queued, nobody woken) and then `flush`es each inbox it held
+    into, once, when it has no more to add for now; a flush gives `direct` everything
+    queued, if the consumer waits with no marker queued, so that nothing before those
+    deltas is left unhandled. What `direct` declines wakes the consumer as a put would.
     """
 
     __slots__ = (
@@ -37,6 +39,7 @@ class Inbox:
         "_idle_s",
         "_timer",
         "_last_delta",
+        "_held",
         "direct",
     )
 
@@ -48,7 +51,8 @@ class Inbox:
         self._idle_s = idle_s
         self._last_delta = time.perf_counter()
         self._timer = loop.call_later(idle_s, self._tick) if idle_s > 0 else None
-        self.direct: Callable[[Any, float], bool] | None = None
+        self._held = False  # deltas were held since the last flush
+        self.direct: Callable[[list[Any]], bool] | None = None
 
     def __len__(self) -> int:
         """Deltas waiting."""
@@ -60,22 +64,33 @@ class Inbox:
         self._last_delta = received
         self._wake()
 
-    def offer(self, item: Any, received: float) -> bool:
-        """Hands a delta item to `direct` if the consumer waits with nothing queued, so that
-        everything before it has been handled; True if `direct` took it. A `direct` that
-        raises is logged and not asked again: the delta, and the later ones, are queued."""
+    def hold(self, item: Any, received: float) -> bool:
+        """`put_delta` without waking the consumer: True the first time since the last
+        flush, when the caller must `flush` this inbox once it has added what it has."""
+        self._deltas.append(item)
+        self._last_delta = received
+        if self._held:
+            return False
+        self._held = True
+        return True
+
+    def flush(self) -> None:
+        """Held deltas go to `direct` if the consumer waits for them with no marker queued,
+        else (or if `direct` declines) wake it. A `direct` that raises is logged and not
+        asked again; the deltas stay queued for the consumer."""
+        self._held = False
+        if not self._deltas or self._waiter is None:
+            return
         direct = self.direct
-        if direct is None or self._waiter is None or self._deltas or self._marks:
-            return False
-        try:
-            taken = direct(item, received)
-        except Exception:
-            log.exception("a stream's direct write failed; it goes through its handler now")
-            self.direct = None
-            return False
-        if taken:
-            self._last_delta = received
-        return taken
+        if direct is not None and not self._marks:
+            try:
+                if direct(self._deltas):
+                    self._deltas = []
+                    return
+            except Exception:
+                log.exception("a stream's direct write failed; it goes through its handler now")
+                self.direct = None
+        self._wake()
 
     def put(self, marker: object) -> None:
         self._marks.append(marker)

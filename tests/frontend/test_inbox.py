@@ -52,48 +52,62 @@ async def test_idle_only_after_idle_s_without_a_delta() -> None:
         inbox.close()
 
 
-async def test_offer_goes_to_direct_only_while_the_consumer_waits_with_nothing_queued() -> None:
+async def test_flush_gives_direct_what_was_held_while_the_consumer_waits() -> None:
     inbox = Inbox(asyncio.get_running_loop(), idle_s=0.2)
-    taken: list[str] = []
-    inbox.direct = lambda item, received: item != "no" and not taken.append(item)
+    taken: list[list[str]] = []
+
+    def direct(items: list[str]) -> bool:
+        if "no" in items:
+            return False
+        taken.append(list(items))
+        return True
+
+    inbox.direct = direct
     try:
-        assert not inbox.offer("a", time.perf_counter()), "nobody waits yet"
-        inbox.put_delta("a", time.perf_counter())
+        assert inbox.hold("a", time.perf_counter()), "the first hold asks for a flush"
+        assert not inbox.hold("b", time.perf_counter()), "one flush does for both"
+        inbox.flush()
+        assert taken == [] and len(inbox) == 2, "nobody waits: they stay for the consumer"
+        assert await inbox.take() == (["a", "b"], [])
         waiting = asyncio.ensure_future(inbox.take())
         await asyncio.sleep(0)
-        assert waiting.done() and waiting.result() == (["a"], [])
+        for item in "cd":
+            inbox.hold(item, time.perf_counter())
+        await asyncio.sleep(0)
+        assert not waiting.done(), "held deltas wake nobody"
+        inbox.flush()
+        assert taken == [["c", "d"]] and len(inbox) == 0
+        assert inbox.hold("e", time.perf_counter()), "flushed: the next hold asks again"
+        inbox.hold("no", time.perf_counter())
+        inbox.flush()
+        assert await waiting == (["e", "no"], []), "declined: the consumer gets them, in order"
         waiting = asyncio.ensure_future(inbox.take())
         await asyncio.sleep(0)
-        assert inbox.offer("b", time.perf_counter()) and taken == ["b"]
-        assert not waiting.done(), "a taken delta wakes nobody"
-        assert not inbox.offer("no", time.perf_counter()), "declined"
-        inbox.put_delta("no", time.perf_counter())
-        assert not inbox.offer("c", time.perf_counter()), "behind a queued delta"
-        inbox.put_delta("c", time.perf_counter())
-        assert await waiting == (["no", "c"], []) and taken == ["b"]
-        waiting = asyncio.ensure_future(inbox.take())
-        await asyncio.sleep(0)
-        for item in "def":  # taken deltas count as deltas for the keep-alive
+        for item in "fgh":  # what direct takes counts as deltas for the keep-alive
             await asyncio.sleep(0.1)
-            assert inbox.offer(item, time.perf_counter())
-        assert not waiting.done() and taken == ["b", "d", "e", "f"]
+            inbox.hold(item, time.perf_counter())
+            inbox.flush()
+        assert not waiting.done() and taken[-3:] == [["f"], ["g"], ["h"]]
+        inbox.hold("i", time.perf_counter())
         inbox.put("end")
-        assert await waiting == ([], ["end"])
+        assert await waiting == (["i"], ["end"]), "a marker wakes the consumer with what waits"
+        inbox.flush()  # nobody waits now: nothing to do
+        assert taken[-1] == ["h"]
     finally:
         inbox.close()
     assert inbox.direct is None
 
 
-async def test_a_direct_that_raises_is_dropped_and_its_delta_queued(caplog) -> None:
+async def test_a_direct_that_raises_is_dropped_and_its_deltas_go_to_the_consumer(caplog):
     inbox = Inbox(asyncio.get_running_loop())
 
-    def broken(item: object, received: float) -> bool:
+    def broken(items: list[str]) -> bool:
         raise RuntimeError("boom")
 
     inbox.direct = broken
     waiting = asyncio.ensure_future(inbox.take())
     await asyncio.sleep(0)
-    assert not inbox.offer("a", time.perf_counter())
+    inbox.hold("a", time.perf_counter())
+    inbox.flush()
     assert inbox.direct is None and "direct write failed" in caplog.text
-    inbox.put_delta("a", time.perf_counter())
     assert await waiting == (["a"], [])
