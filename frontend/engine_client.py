@@ -276,14 +276,15 @@ class EngineClient:
         assert ticket.num_queued == len(params), "a ticket for another number of choices"
         unstarted = self.queue.unstarted
         inbox = Inbox(asyncio.get_running_loop(), keepalive_s)
+        one_choice = len(ids) == 1
         if direct is not None:
 
             def offered(items: list[tuple[TextDelta, float]]) -> bool:
                 delta, received = items[0]
                 if len(items) > 1:
                     rid = delta.request_id
-                    if any(d.request_id != rid for d, _ in items):  # several choices
-                        return False
+                    if not one_choice and any(d.request_id != rid for d, _ in items):
+                        return False  # deltas of several choices
                     delta = _joined([d for d, _ in items])
                 if delta.finish_reason is not None:
                     return False
@@ -311,7 +312,6 @@ class EngineClient:
                         block_hashes=named,
                     )
                 )
-            one_choice = len(ids) == 1
             while running:
                 # more than one delta: the consumer fell behind, it takes all that waited
                 deltas, marks = await inbox.take()

@@ -264,3 +264,35 @@ async def test_an_overflow_aborts_once_however_many_deltas_follow() -> None:
     assert (await first).text == "t1t2t3t4"  # what waited is still written, then the cut
     with pytest.raises(Overflow):
         await anext(stream)
+
+
+@pytest.mark.anyio
+async def test_direct_takes_held_deltas_joined_per_choice_and_never_a_last_one() -> None:
+    client, _ = _client()
+    written: list[tuple[int, str, list[int]]] = []
+
+    def direct(index: int, delta: TextDelta, received: float) -> bool:
+        written.append((index, delta.text, delta.token_ids))
+        return True
+
+    stream = client.generate_n("d", [1], [PARAMS, PARAMS], direct=direct)
+    consumer = asyncio.ensure_future(stream.__anext__())
+    await asyncio.sleep(0)  # the consumer waits for its first delta
+    client.dispatch(TextDeltas([_delta("d-0", 1)]), flush=False)
+    client.dispatch(TextDeltas([_delta("d-0", 2)]))
+    assert written == [(0, "t1t2", [1, 2])] and not consumer.done()
+    client.dispatch(TextDeltas([_delta("d-1", 1)]))
+    assert written[-1] == (1, "t1", [1])
+    # deltas of both choices held together: the consumer gets them, each choice joined
+    client.dispatch(TextDeltas([_delta("d-0", 3), _delta("d-1", 2)]), flush=False)
+    client.dispatch(TextDeltas([_delta("d-0", 4)]))
+    assert len(written) == 2
+    got = [await consumer]
+    got.append(await stream.__anext__())
+    assert [(i, d.text) for i, d in got] == [(0, "t3t4"), (1, "t2")]
+    consumer = asyncio.ensure_future(stream.__anext__())
+    await asyncio.sleep(0)
+    client.dispatch(TextDeltas([_delta("d-1", 3, "stop")]))  # a choice's last delta
+    assert len(written) == 2
+    assert (await consumer)[1].finish_reason == "stop"
+    await stream.aclose()
