@@ -415,13 +415,16 @@ class ZmqEngineClient(EngineClient):
             # of max_pending, or BURST_S), then every stream writes what came as one event.
             # The streams' `direct` gets the burst's deltas at its end, joined: an event per
             # frame, written at once, is what a frontend behind cannot afford.
+            # A frame is held only once the next is in hand: a wait with deltas held would
+            # keep them from their streams until some frame came.
             until = time.perf_counter() + BURST_S
             try:
                 for _ in range(burst - 1):
-                    if not receiver.socket.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    following = await receiver.recv_waiting()
+                    if following is None:
                         break
                     self.dispatch(msg, flush=False)
-                    msg = await receiver.recv()
+                    msg = following
                     if time.perf_counter() > until:
                         break
                 self.dispatch(msg)

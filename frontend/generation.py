@@ -166,12 +166,12 @@ async def _deltas(
     def offered(index: int, delta: TextDelta, received: float) -> bool:
         if first or direct is None or not direct(index, delta, received):
             return False
+        outputs[index] = delta.num_output_tokens
         if delta.token_ids:
             now = time.perf_counter()
             if last[index]:
-                observer.delta(now - last[index], len(delta.token_ids))
+                _written_anyway(observer.delta, now - last[index], len(delta.token_ids))
             last[index] = now
-        outputs[index] = delta.num_output_tokens
         return True
 
     stream = state.engine.generate_n(
@@ -220,6 +220,15 @@ async def _deltas(
         observer.finished(job.endpoint, time.time() - job.arrival_time, sum(outputs), reason)
 
 
+def _written_anyway(observe: Callable[..., None], *args: float) -> None:
+    """An observation of a delta already written by a stream's `direct`: if it fails, the
+    delta must still count as written, or its handler would write it again (Inbox.flush)."""
+    try:
+        observe(*args)
+    except Exception:
+        log.exception("observing a written delta failed")
+
+
 async def collect(state: FrontendState, job: Job) -> list[ChoiceResult]:
     """Every choice's whole output."""
     choices = [ChoiceResult() for _ in job.params]
@@ -264,7 +273,7 @@ async def stream(
         if chunk is None or not out.event_now(chunk):
             return False
         outputs[index] = delta.num_output_tokens
-        observer.streamed(time.perf_counter() - received)
+        _written_anyway(observer.streamed, time.perf_counter() - received)
         return True
 
     try:

@@ -34,6 +34,7 @@ def chunk_writer(cycle: RequestResponseCycle) -> Callable[[bytes], bool]:
     def write(body: bytes) -> bool:
         if (
             cycle.disconnected
+            or cycle.transport.is_closing()  # why: uvicorn marks only the current cycle
             or cycle.flow.write_paused
             or not cycle.response_started
             or cycle.response_complete

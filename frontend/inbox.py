@@ -77,7 +77,8 @@ class Inbox:
     def flush(self) -> None:
         """Held deltas go to `direct` if the consumer waits for them with no marker queued,
         else (or if `direct` declines) wake it. A `direct` that raises is logged and not
-        asked again; the deltas stay queued for the consumer."""
+        asked again; the deltas stay queued for the consumer, so `direct` must not raise
+        once it has handled them."""
         self._held = False
         if not self._deltas or self._waiter is None:
             return

@@ -205,6 +205,18 @@ class AsyncReceiver(Generic[T]):
             if msg is not None:
                 return msg
 
+    async def recv_waiting(self) -> T | None:
+        """A message already here, without waiting (nor yielding to the loop); None when none
+        is, malformed frames skipped."""
+        while True:
+            try:
+                frame = await self.socket.recv(flags=zmq.DONTWAIT, copy=False)
+            except zmq.Again:
+                return None
+            msg = self._decoding.decode(frame.buffer)
+            if msg is not None:
+                return msg
+
     def close(self) -> None:
         self.socket.close(linger=0)
         self._decoding.close()

@@ -6,10 +6,12 @@ burst of frames that waited goes out as one event per stream, also from the list
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 import uvloop
 
+from gapless.frontend.http import chunk_writer
 from tests.frontend.sse_streams import LiveStreams
 
 
@@ -29,3 +31,45 @@ def test_usual_events_are_written_without_waking_a_handler(make_config, hf_token
         loop.run_until_complete(streams.close())
         loop.close()
         asyncio.set_event_loop(None)
+
+
+class _Transport:
+    def __init__(self) -> None:
+        self.closing = False
+        self.written: list[bytes] = []
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+    def write(self, data: bytes) -> None:
+        self.written.append(data)
+
+
+def test_the_chunk_writer_writes_only_what_needs_no_wait():
+    transport = _Transport()
+    cycle = SimpleNamespace(
+        transport=transport,
+        flow=SimpleNamespace(write_paused=False),
+        disconnected=False,
+        response_started=True,
+        response_complete=False,
+        chunked_encoding=True,
+    )
+    write = chunk_writer(cycle)  # type: ignore[arg-type]
+    assert write(b"data: x\n\n") and transport.written == [b"9\r\ndata: x\n\n\r\n"]
+    assert not write(b""), "an empty chunk would end the body"
+    for field, value in [
+        ("disconnected", True),
+        ("response_started", False),
+        ("response_complete", True),
+        ("chunked_encoding", False),
+    ]:
+        setattr(cycle, field, value)
+        assert not write(b"y"), field
+        setattr(cycle, field, not value)
+    cycle.flow.write_paused = True  # the client reads slower than we write: the handler waits
+    assert not write(b"y")
+    cycle.flow.write_paused = False
+    transport.closing = True  # lost, though uvicorn marked only its current cycle
+    assert not write(b"y")
+    assert len(transport.written) == 1

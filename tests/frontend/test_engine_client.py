@@ -252,6 +252,45 @@ async def test_a_backlog_of_frames_reaches_the_streams_in_bursts(make_config, tm
 
 
 @pytest.mark.anyio
+async def test_a_burst_ending_in_a_malformed_frame_leaves_nothing_held(
+    make_config, tmp_path
+) -> None:
+    """The listener holds a frame's deltas only with the next frame in hand: a dropped frame
+    after a burst does not keep the burst's deltas back until some later frame comes."""
+    async with _zmq_client(make_config(run_dir=str(tmp_path))) as (client, core_in, to_front):
+        written: list[str] = []
+
+        def direct(index: int, delta: TextDelta, received: float) -> bool:
+            if written:  # the handler takes the first burst, direct the second
+                written.append(delta.text)
+            return len(written) > 1
+
+        stream = client.generate_n("1-0", [5], [PARAMS], direct=direct)
+        first = asyncio.ensure_future(anext(stream))
+        await asyncio.wait_for(core_in.recv(), 2)  # the AddRequest
+        to_front.send(TextDeltas([_delta("1-0-0", 1)]))
+        to_front.send(TextDeltas([_delta("1-0-0", 2)]))
+        to_front.socket.send(b"\xff not msgpack")
+        await asyncio.sleep(0.2)
+        client.start()
+        assert (await asyncio.wait_for(first, 0.3))[1].text == "t1t2"  # joined, not held
+        written.append("")
+        waiting = asyncio.ensure_future(anext(stream))  # the handler waits for more
+        await asyncio.sleep(0)
+        to_front.send(TextDeltas([_delta("1-0-0", 3)]))
+        to_front.send(TextDeltas([_delta("1-0-0", 4)]))
+        to_front.socket.send(b"\xff not msgpack")
+        for _ in range(30):
+            if len(written) > 1:
+                break
+            await asyncio.sleep(0.01)
+        assert written == ["", "t3t4"], "the burst went to direct without waiting for a frame"
+        assert not waiting.done()
+        waiting.cancel()
+        await asyncio.gather(waiting, return_exceptions=True)
+
+
+@pytest.mark.anyio
 async def test_an_overflow_aborts_once_however_many_deltas_follow() -> None:
     sent: list[CoreInput] = []
     client = EngineClient(3, sent.append, max_pending=4)
