@@ -103,12 +103,17 @@ def main(argv: list[str] | None = None) -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--llama-server", help="a llama-server binary (llama.cpp); without it, skipped")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="llama-server's -t")
-    p.add_argument("--format", choices=list(FORMATS), default="bf16",
-                   help="weight format of the floor and step figure (match the serve flags)")  # fmt: skip
+    p.add_argument("--format", choices=list(FORMATS),
+                   help="weight format of the floor and step figure (match the serve flags; "
+                        "default: what --dtype auto serves on this cpu, bf16 or fp32)")  # fmt: skip
     p.add_argument("--skip", nargs="*", default=[], choices=["transformers", "floor"])
     p.add_argument("--out", type=Path, default=Path("bench/results/cpu-compare"))
     args = p.parse_args(ours)
     from gapless.core.common.model_cache import default_model_path
+    from gapless.gpu_runner.runner import resolve_dtype
+
+    if args.format is None:
+        args.format = "bf16" if resolve_dtype("auto", "cpu") == "bfloat16" else "fp32"
 
     args.out.mkdir(parents=True, exist_ok=True)
     gguf = default_model_path()

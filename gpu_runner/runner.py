@@ -56,8 +56,8 @@ def resolve_dtype(dtype: str, device: str) -> str:
     why: without bfloat16 instructions torch converts through float32 inside every matmul. On
     an AVX2-only AMD EPYC (2 cores) the default model's matmuls at batch 32 took 519 ms a step
     in bfloat16 against 119 ms in float32 (`python -m gapless.bench.floor --batch 32 --format
-    bf16`, then `fp32`); on the AVX-512 BF16 Xeon where the cpu figures were taken, bfloat16
-    was the faster at batch 32 (bench/RESULTS.md, "CPU, the default model")."""
+    bf16`, then `fp32`); on the AVX-512 BF16 cpu where the earlier cpu figures were taken,
+    bfloat16 was the faster at batch 32 (bench/RESULTS.md, "CPU, the default model")."""
     if dtype != "auto":
         return dtype
     return "bfloat16" if device != "cpu" or BF16_CPU_FLAGS & cpu_flags() else "float32"
