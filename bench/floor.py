@@ -2,6 +2,7 @@
 
 python -m gapless.bench.floor --batch 32 --format bf16
 python -m gapless.bench.floor --batch 1 --format int4 fp32 bf16 int8
+python -m gapless.bench.floor --batch 1 32 --format fp32 int8-fp32 int4-fp32
 
 Every linear layer of the model (30 layers x q, k, v, o, gate, up, down, then the output
 layer), with the model's shapes and the module the engine runs for the format (F.linear for
@@ -29,6 +30,10 @@ FORMATS = {
     "bf16": ("bfloat16", "none"),
     "int8": ("bfloat16", "int8"),
     "int4": ("bfloat16", "int4"),
+    # the quantized weights under float32 activations: what --dtype auto serves on a CPU
+    # without bfloat16 instructions
+    "int8-fp32": ("float32", "int8"),
+    "int4-fp32": ("float32", "int4"),
 }
 
 
@@ -109,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
             times = floor_step(model, batch, getattr(torch, FORMATS[fmt][0]))
             step = statistics.median(times)
             print(
-                f"{fmt:>5} batch {batch:4d}: matmuls {step * 1e3:8.2f} ms a step "
+                f"{fmt:>9} batch {batch:4d}: matmuls {step * 1e3:8.2f} ms a step "
                 f"(median of {len(times)}), {batch / step:8.1f} tok/s, "
                 f"{nbytes / 2**20:6.1f} MiB of weights; load {os.getloadavg()[0]:.1f}",
                 flush=True,

@@ -19,18 +19,10 @@ import msgspec
 import torch
 
 from gapless.bench.cpu_step import Streams, runner_config
+from gapless.bench.floor import FORMATS  # (dtype, quantization); fp32 is the reference
 from gapless.gpu_runner.batch import LOGIT_ROWS
 
 TEXT = Path(__file__).parent / "data" / "perplexity.txt"
-# (dtype, quantization) of each format; fp32 without quantization is the reference
-FORMATS = {
-    "fp32": ("float32", "none"),
-    "bf16": ("bfloat16", "none"),
-    "int8": ("bfloat16", "int8"),
-    "int4": ("bfloat16", "int4"),
-    "int8-fp32": ("float32", "int8"),
-    "int4-fp32": ("float32", "int4"),
-}
 
 
 def text_ids(runner, path: Path = TEXT) -> list[int]:

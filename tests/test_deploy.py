@@ -73,7 +73,7 @@ def test_every_metric_the_dashboard_uses_is_exported(default_gguf) -> None:
         "--tenant-weight", "acme=2", "--max-num-seqs", "1",
     )  # fmt: skip
     try:
-        body = {"model": "sim", "prompt": "hi", "max_tokens": 300, "ignore_eos": True}
+        body = {"model": "sim", "prompt": "hi", "max_tokens": 100, "ignore_eos": True}
         threads = [
             threading.Thread(target=httpx.post, args=(s.url + "/v1/completions",),
                              kwargs={"json": body, "timeout": 60})

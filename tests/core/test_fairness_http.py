@@ -130,7 +130,11 @@ def test_interactive_over_a_batch_backlog_over_http(servers, tmp_path):
     # the batch backlog holds every seat: fcfs makes the interactive request wait for ~136 of
     # them; fair preempts one at once
     assert ttft["fair"] <= 0.1 * ttft["fcfs"], ttft
-    assert ttft["fair"] <= 3 * idle, (ttft, idle)
+    # The figure is <= 3x idle (1.1-2.9x in bench runs, bench/RESULTS.md). Here the
+    # TTFT is the host's too: the interactive request's first token waits behind the SSE
+    # writes of 64 batch streams on the same two cores, and a quiet CI run read 3.3x once.
+    # 5x keeps the check on the scheduler (fcfs reads ~300x) without timing the host.
+    assert ttft["fair"] <= 5 * idle, (ttft, idle)
     for p in ("fcfs", "fair"):
         batch = tenant(busy[p], "Bt")
         assert batch["completed"] == 200, "none lost"

@@ -112,10 +112,13 @@ def app(config: EngineConfig, engine: FakeEngine) -> App:
 
 
 @contextmanager
-def served(config: EngineConfig, engine: FakeEngine) -> Iterator[int]:
+def served(config: EngineConfig, engine: FakeEngine, send_buffer: int = 0) -> Iterator[int]:
     """The app behind real uvicorn (with the request-head limit) on a free port, in a thread;
-    yields the port."""
+    yields the port. `send_buffer` > 0 fixes each connection's kernel send buffer (Linux's
+    grows to megabytes, which a client that stops reading takes seconds to fill)."""
     sock = socket.socket()
+    if send_buffer:  # accepted connections inherit it
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
     sock.bind(("127.0.0.1", 0))
     sock.listen(16)
     server = uvicorn.Server(

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry
 from tests.frontend.conftest import build_app, served
 
 LONG_CONTEXT = {"max_model_len": 1_000_000}
+SEND_BUFFER = 32 * 1024  # the connection's, so a client that stops reading is behind at once
 BODY = {"prompt": "word " * 20_000, "max_tokens": 200_000, "stream": True}
 # with logprobs every chunk goes through the stream's handler; without, the engine client's
 # listener writes the usual chunks itself until the connection asks it to pause
@@ -50,7 +51,7 @@ def _slow(registry: CollectorRegistry, reason: str) -> float:
 def test_unread_buffer_cap_aborts_the_request(make_config, engine, registry, body) -> None:
     config = make_config(model_overrides=LONG_CONTEXT, stream_write_timeout_s=600.0)
     engine.max_pending = 64
-    with served(config, engine) as port:
+    with served(config, engine, send_buffer=SEND_BUFFER) as port:
         client = _stop_reading(port, body)
         _wait_aborted(engine, 30)
         assert engine.aborted == [engine.added[0].request_id]
@@ -67,7 +68,7 @@ def test_write_timeout_aborts_the_request(make_config, engine, registry, body) -
     config = make_config(model_overrides=LONG_CONTEXT, stream_write_timeout_s=1.0)
     engine.max_pending = 10**9
     engine.delay_s = 0.001
-    with served(config, engine) as port:
+    with served(config, engine, send_buffer=SEND_BUFFER) as port:
         client = _stop_reading(port, body)
         _wait_aborted(engine, 30)
         assert engine.aborted == [engine.added[0].request_id]
