@@ -7,7 +7,8 @@ Decode at small batch reads every weight once a token, so its speed is the weigh
 q in 0..15 equals (q - 8) * d + (m + 8 d), the kernel's form, so a Q4_1 file loses nothing.
 Weights a format cannot hold exactly are quantized from their float values (int8: per row,
 symmetric; int4: per group of 32, min to max). The output layer stays int8 under int4: tied
-to a Q8_0 embedding, 4 bits would lose what the file has. Activations keep --dtype.
+to a Q8_0 embedding, 4 bits would lose what the file has. Activations keep --dtype outside
+these layers; inside, the kernels run in bfloat16 (KERNEL_DTYPE).
 """
 
 from __future__ import annotations
@@ -23,6 +24,14 @@ from gapless.core.common.model_files import ModelArch, read_gguf
 
 GROUP = 32  # int4 group size: Q4_1's block
 Q4_1_BLOCK_BYTES = 20  # fp16 d, fp16 m, 16 bytes of 32 nibbles
+# why: torch's int8 / int4 cpu kernels are fast in bfloat16 only. On an AVX2-only AMD EPYC
+# (2 cores) the default model's matmuls at batch 1 / 32 took 20.1 / 155.9 ms (int8) and 17.0 /
+# 159.9 ms (int4) with bfloat16 inputs against 70.1 / 2295 and 159.5 / 3871 ms with float32
+# ones, float32 weights taking 48.8 / 131.8 (`python -m gapless.bench.floor --batch 1 32
+# --format fp32 int8 int4 int8-fp32 int4-fp32` before this rule). So a float32 model converts
+# a quantized layer's input to bfloat16 and its output back, and keeps float32 elsewhere
+# (attention, norms, the KV cache), which on that CPU is 2.5x faster than bfloat16 at batch 32.
+KERNEL_DTYPE = torch.bfloat16
 QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -32,13 +41,14 @@ class Int8Linear(nn.Module):
     def __init__(self, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         self.register_buffer("weight", weight)  # [N, K] int8
-        self.register_buffer("scales", scales)  # [N], activation dtype
+        self.register_buffer("scales", scales)  # [N], KERNEL_DTYPE
         self.bias = bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        y = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, x.shape[-1]), self.weight, self.scales)
-        y = y.view(*lead, -1)
+        flat = x.reshape(-1, x.shape[-1]).to(KERNEL_DTYPE)
+        y = torch.ops.aten._weight_int8pack_mm(flat, self.weight, self.scales)
+        y = y.view(*lead, -1).to(x.dtype)
         return y if self.bias is None else y + self.bias
 
 
@@ -48,14 +58,14 @@ class Int4Linear(nn.Module):
     def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         self.register_buffer("packed", packed)  # [N, K / 2] uint8, the kernel's layout
-        self.register_buffer("scales_zeros", scales_zeros)  # [K / 32, N, 2], activation dtype
+        self.register_buffer("scales_zeros", scales_zeros)  # [K / 32, N, 2], KERNEL_DTYPE
         self.bias = bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        flat = x.reshape(-1, x.shape[-1])
+        flat = x.reshape(-1, x.shape[-1]).to(KERNEL_DTYPE)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP, self.scales_zeros)
-        y = y.view(*lead, -1)
+        y = y.view(*lead, -1).to(x.dtype)
         return y if self.bias is None else y + self.bias
 
 
@@ -77,12 +87,12 @@ def int4_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     return q.view(n, k), d, low
 
 
-def make_int4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, dtype, bias) -> Int4Linear:
+def make_int4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bias) -> Int4Linear:
     """Int4Linear of w = d * q + m per group of 32: q [N, K] in 0..15, d and m [N, K/32]."""
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
     zeros = m.float() + 8.0 * d.float()
     scales_zeros = torch.stack([d.float(), zeros], dim=-1).transpose(0, 1).contiguous()
-    return Int4Linear(packed, scales_zeros.to(dtype), bias)
+    return Int4Linear(packed, scales_zeros.to(KERNEL_DTYPE), bias)
 
 
 def q4_1_blocks(path: Path, arch: ModelArch) -> dict[str, tuple[torch.Tensor, ...]]:
@@ -117,7 +127,6 @@ def quantize_model(model: nn.Module, mode: str, model_path: str, arch: ModelArch
     if mode == "none":
         return
     assert mode in ("int8", "int4"), f"unknown quantization {mode!r}"
-    dtype = model.model.embed_tokens.weight.dtype
     path = Path(model_path)
     exact = q4_1_blocks(path, arch) if mode == "int4" and path.is_file() else {}
     for name, module in list(model.named_modules()):
@@ -126,11 +135,11 @@ def quantize_model(model: nn.Module, mode: str, model_path: str, arch: ModelArch
         bias = None if module.bias is None else module.bias.detach()
         if mode == "int8":
             q, scale = int8_rows(module.weight.detach())
-            new: nn.Module = Int8Linear(q, scale.to(dtype), bias)
+            new: nn.Module = Int8Linear(q, scale.to(KERNEL_DTYPE), bias)
         else:
             q, d, m = exact.get(name) or int4_groups(module.weight.detach())
-            new = make_int4(q, d, m, dtype, bias)
+            new = make_int4(q, d, m, bias)
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent), attr, new)
     q, scale = int8_rows(model.lm_head.weight.detach())
-    model.lm_head = Int8Linear(q, scale.to(dtype), None)
+    model.lm_head = Int8Linear(q, scale.to(KERNEL_DTYPE), None)

@@ -10,6 +10,7 @@ from gapless.bench.cpu_step import Streams, runner_config
 from gapless.bench.perplexity import perplexity
 from gapless.core.common.model_files import load_arch, load_tokenizer, resolve_model
 from gapless.gpu_runner.quant import (
+    KERNEL_DTYPE,
     Int8Linear,
     int4_groups,
     int8_rows,
@@ -19,14 +20,21 @@ from gapless.gpu_runner.quant import (
 from gapless.gpu_runner.weights import load_weights
 
 
-def test_int8_linear_is_the_per_row_dequantized_product() -> None:
+def _bf16(t: torch.Tensor) -> torch.Tensor:
+    """t rounded to bfloat16, the quantized kernels' dtype, back in float32."""
+    return t.to(KERNEL_DTYPE).float()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_linear_is_the_per_row_dequantized_product(dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(0)
     w, x, b = torch.randn(96, 64, generator=gen), torch.randn(5, 64, generator=gen), torch.randn(96)
     q, scale = int8_rows(w)
     assert (w - q.float() * scale[:, None]).abs().max() <= scale.max() / 2 + 1e-6
-    got = Int8Linear(q, scale, b)(x)
-    want = F.linear(x, q.float() * scale[:, None], b)
-    assert torch.allclose(got, want, atol=1e-4)
+    got = Int8Linear(q, scale.to(KERNEL_DTYPE), b.to(dtype))(x.to(dtype))
+    assert got.dtype == dtype, "the activations keep their dtype around the kernel"
+    want = F.linear(_bf16(x), q.float() * _bf16(scale)[:, None], b)
+    assert torch.allclose(got.float(), want, rtol=2e-2, atol=5e-2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -36,10 +44,13 @@ def test_int4_linear_is_the_group_dequantized_product(dtype: torch.dtype) -> Non
     q, d, m = int4_groups(w)
     deq = (q.float().view(64, 4, 32) * d[..., None] + m[..., None]).view(64, 128)
     assert (w - deq).abs().max() <= d.max() / 2 + 1e-5
-    got = make_int4(q, d, m, dtype, None)(x.to(dtype)).float()
-    want = F.linear(x.to(dtype).float(), deq)
-    tol = 1e-3 if dtype == torch.float32 else 0.15
-    assert got.shape == (3, 2, 64) and torch.allclose(got, want, atol=tol)
+    got = make_int4(q, d, m, None)(x.to(dtype))
+    assert got.dtype == dtype and got.shape == (3, 2, 64)
+    # the kernel's form: (q - 8) * scale + zero, scale and zero in bfloat16
+    zero = _bf16(m + 8 * d)
+    kernel_w = (q.float().view(64, 4, 32) - 8) * _bf16(d)[..., None] + zero[..., None]
+    want = F.linear(_bf16(x), kernel_w.view(64, 128))
+    assert torch.allclose(got.float(), want, rtol=2e-2, atol=5e-2)
 
 
 @pytest.mark.slow
@@ -70,10 +81,11 @@ def test_quantized_formats_keep_perplexity_within_2_percent_and_say_paris(defaul
         "streets toward the water. Fishermen pulled their boats onto the gravel."
     )
     ppl = {}
-    # int4 decodes through the compiled step (bf16 activations), the others eagerly
+    # int4 decodes through the compiled step (bf16 activations), the others eagerly; int8 under
+    # float32 activations, which convert at the quantized layers' edges
     for dtype, quant, compile in (
         ("float32", "none", ["--no-compile"]),
-        ("bfloat16", "int8", ["--no-compile"]),
+        ("float32", "int8", ["--no-compile"]),
         ("bfloat16", "int4", []),
     ):
         args = [
