@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from torch import nn
 
@@ -32,6 +33,13 @@ Q4_1_BLOCK_BYTES = 20  # fp16 d, fp16 m, 16 bytes of 32 nibbles
 # a quantized layer's input to bfloat16 and its output back, and keeps float32 elsewhere
 # (attention, norms, the KV cache), which on that CPU is 2.5x faster than bfloat16 at batch 32.
 KERNEL_DTYPE = torch.bfloat16
+# why: the int8 kernel's time grows with its rows much faster than BLAS's. Past DENSE_ROWS
+# rows (eager calls only: prefill chunks, --no-compile), an int8 layer widens its weight to
+# the activations' dtype (q * scale, the same weights) and calls F.linear. On the AVX2 EPYC,
+# float32: the kernel took the model's matmuls at 64 / 128 / 512 rows in 239 / 559 / 1851 ms,
+# widened 349 ms at 128 and 986 at 512 (the widening ~100 ms of it), float32 weights
+# 148 / 250 / 873 (`python -m gapless.bench.floor --batch 32 64 128 512 --format int8-fp32 fp32`).
+DENSE_ROWS = 64
 QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -46,8 +54,13 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        flat = x.reshape(-1, x.shape[-1]).to(KERNEL_DTYPE)
-        y = torch.ops.aten._weight_int8pack_mm(flat, self.weight, self.scales)
+        flat = x.reshape(-1, x.shape[-1])
+        if flat.shape[0] > DENSE_ROWS and not torch.compiler.is_compiling():
+            # a prefill chunk: the weights widened once beat the kernel's rows (DENSE_ROWS)
+            w = self.weight.to(x.dtype) * self.scales.to(x.dtype)[:, None]
+            y = F.linear(x, w)
+            return y if self.bias is None else y + self.bias
+        y = torch.ops.aten._weight_int8pack_mm(flat.to(KERNEL_DTYPE), self.weight, self.scales)
         y = y.view(*lead, -1).to(x.dtype)
         return y if self.bias is None else y + self.bias
 

@@ -10,6 +10,7 @@ from gapless.bench.cpu_step import Streams, runner_config
 from gapless.bench.perplexity import perplexity
 from gapless.core.common.model_files import load_arch, load_tokenizer, resolve_model
 from gapless.gpu_runner.quant import (
+    DENSE_ROWS,
     KERNEL_DTYPE,
     Int8Linear,
     int4_groups,
@@ -25,10 +26,15 @@ def _bf16(t: torch.Tensor) -> torch.Tensor:
     return t.to(KERNEL_DTYPE).float()
 
 
+@pytest.mark.parametrize("rows", [5, DENSE_ROWS + 1], ids=["kernel", "widened"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int8_linear_is_the_per_row_dequantized_product(dtype: torch.dtype) -> None:
+def test_int8_linear_is_the_per_row_dequantized_product(dtype: torch.dtype, rows: int) -> None:
     gen = torch.Generator().manual_seed(0)
-    w, x, b = torch.randn(96, 64, generator=gen), torch.randn(5, 64, generator=gen), torch.randn(96)
+    w, x, b = (
+        torch.randn(96, 64, generator=gen),
+        torch.randn(rows, 64, generator=gen),
+        torch.randn(96),
+    )
     q, scale = int8_rows(w)
     assert (w - q.float() * scale[:, None]).abs().max() <= scale.max() / 2 + 1e-6
     got = Int8Linear(q, scale.to(KERNEL_DTYPE), b.to(dtype))(x.to(dtype))
