@@ -105,15 +105,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="llama-server's -t")
     p.add_argument("--format", choices=list(FORMATS),
                    help="weight format of the floor and step figure (match the serve flags; "
-                        "default: what --dtype auto serves on this cpu, bf16 or fp32)")  # fmt: skip
+                        "default: what gapless serves by default on this cpu)")  # fmt: skip
     p.add_argument("--skip", nargs="*", default=[], choices=["transformers", "floor"])
     p.add_argument("--out", type=Path, default=Path("bench/results/cpu-compare"))
     args = p.parse_args(ours)
     from gapless.core.common.model_cache import default_model_path
-    from gapless.gpu_runner.runner import resolve_dtype
+    from gapless.gpu_runner.runner import resolve_dtype, resolve_quantization
 
-    if args.format is None:
-        args.format = "bf16" if resolve_dtype("auto", "cpu") == "bfloat16" else "fp32"
+    if args.format is None:  # what `gapless serve` serves here by default
+        dtype, quant = resolve_dtype("auto", "cpu"), resolve_quantization("auto", "auto", "cpu")
+        args.format = next(f for f, served in FORMATS.items() if served == (dtype, quant))
 
     args.out.mkdir(parents=True, exist_ok=True)
     gguf = default_model_path()

@@ -168,8 +168,9 @@ def main(argv: list[str] | None = None) -> None:
     runner = ModelRunner(config)
     print(
         f"runner ready in {time.perf_counter() - start:.1f} s (--cpu-wait {config.cpu_wait}, "
-        f"--threads {config.threads}, --dtype {str(runner.dtype).removeprefix('torch.')}, --quantization "
-        f"{config.quantization}, {'compiled' if runner.compiled else 'eager'} decode); "
+        f"--threads {config.threads}, --dtype {str(runner.dtype).removeprefix('torch.')}, "
+        f"--quantization {runner.quantization}, "
+        f"{'compiled' if runner.compiled else 'eager'} decode); "
         f"load {os.getloadavg()}",
         flush=True,
     )

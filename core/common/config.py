@@ -11,7 +11,7 @@ import msgspec
 Device = Literal["cpu", "sim", "cuda"]
 DType = Literal["auto", "bfloat16", "float32", "float16"]
 CpuWait = Literal["short", "passive", "spin"]
-Quantization = Literal["none", "int8", "int4"]
+Quantization = Literal["auto", "none", "int8", "int4"]
 SchedulingPolicy = Literal["fair", "priority", "fcfs"]
 LogLevel = Literal["debug", "info", "warning", "error"]
 LogFormat = Literal["text", "json"]
@@ -96,9 +96,10 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         msgspec.Meta(
             description="weight-only quantized linear layers on cpu (activations keep --dtype): "
             "int8 = one scale per output row; int4 = groups of 32 with a scale and an offset, "
-            "which holds a Q4_1 GGUF's weights exactly; none = --dtype weights"
+            "which holds a Q4_1 GGUF's weights exactly; none = --dtype weights; auto: int8 on "
+            "a cpu where --dtype auto serves float32 (no bfloat16 instructions), else none"
         ),
-    ] = "none"
+    ] = "auto"
     # scheduling
     max_num_seqs: Annotated[int, msgspec.Meta(description="requests running at once", ge=1)] = 64
     max_num_batched_tokens: Annotated[

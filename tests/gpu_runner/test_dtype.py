@@ -1,4 +1,5 @@
-"""--dtype auto: bfloat16 only where the CPU computes it natively."""
+"""--dtype auto: bfloat16 only where the CPU computes it natively; --quantization auto: int8
+weights where --dtype auto would serve float32 ones."""
 
 from __future__ import annotations
 
@@ -26,6 +27,25 @@ def test_auto_dtype_is_bfloat16_only_where_it_is_computed_natively(
     monkeypatch.setattr(runner, "cpu_flags", lambda: flags)
     assert runner.resolve_dtype("auto", device) == want
     assert runner.resolve_dtype("float16", device) == "float16", "a dtype asked for is kept"
+
+
+@pytest.mark.parametrize(
+    "flags, dtype, device, want",
+    [
+        ({"avx2", "fma"}, "auto", "cpu", "int8"),  # float32 weights otherwise
+        ({"avx512f", "avx512_bf16"}, "auto", "cpu", "none"),  # bfloat16 weights
+        ({"avx2", "fma"}, "float32", "cpu", "none"),  # float32 asked for: the exact path
+        ({"avx2", "fma"}, "bfloat16", "cpu", "none"),
+        ({"avx2"}, "auto", "cuda", "none"),
+    ],
+)
+def test_auto_quantization_is_int8_only_where_auto_dtype_is_float32_on_cpu(
+    monkeypatch, flags, dtype, device, want
+):
+    monkeypatch.setattr(runner, "cpu_flags", lambda: flags)
+    assert runner.resolve_quantization("auto", dtype, device) == want
+    assert runner.resolve_quantization("int4", "auto", "cpu") == "int4", "a format asked for"
+    assert runner.resolve_quantization("none", "auto", "cpu") == "none"
 
 
 def test_cpu_flags_reads_this_machine():
