@@ -6,6 +6,7 @@ changes only the attention backend, the graph capture and how results come back 
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from functools import partial
@@ -46,6 +47,7 @@ from gapless.gpu_runner.quant import quantize_model
 from gapless.gpu_runner.sampler import SampleOutput, SamplerState
 from gapless.gpu_runner.weights import load_weights
 
+log = logging.getLogger("gapless.gpu_runner")
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 BF16_CPU_FLAGS = {"avx512_bf16", "amx_bf16", "bf16"}  # /proc/cpuinfo: x86 flags, Arm features
 
@@ -133,6 +135,8 @@ class ModelRunner:
         if self.quantization != "none":
             assert self.device.type == "cpu", "--quantization runs on the cpu device"
             quantize_model(model, self.quantization, config.model.path, arch)
+        log.info("%s: %s activations, %s weights", config.served_model_name,
+                 str(self.dtype).removeprefix("torch."), self.quantization)  # fmt: skip
         self.model = model.eval()
         self.num_blocks = num_kv_blocks(arch, config, self.dtype)
         assert self.num_blocks >= 2, "--kv-cache-memory holds less than one KV block"
