@@ -16,7 +16,7 @@ def test_floor_runs_every_linear_layer_of_the_model(tiny_model_dir, fmt: str) ->
     model = build(arch, fmt)
     layers = linear_layers(model)
     assert len(layers) == 7 * arch.num_layers + 1  # q k v o gate up down per layer, output
-    kind = {"int8": Int8Linear, "int4": Int4Linear}.get(fmt, torch.nn.Linear)
+    kind = {"int8": Int8Linear, "int4": Int4Linear}.get(FORMATS[fmt][1], torch.nn.Linear)
     assert all(isinstance(m, kind) for m in layers[:-1])
     times = floor_step(model, 4, getattr(torch, FORMATS[fmt][0]), repeats=3)
     assert len(times) == 3 and all(t > 0 for t in times)
