@@ -73,7 +73,7 @@ def resolve_quantization(quantization: str, dtype: str, device: str) -> str:
     int8 decoded one stream at 26.5 ms a token against 52.3 (TPOT, `gapless bench --launch
     --workload 128:256 --num-requests 1 -- --quantization int8`, then `none`) and 32 streams
     of 128:128 at 110.0 against 102.7 output tok/s (`--num-requests 32`, 128:128); perplexity
-    +0.27% (bench/RESULTS.md). Where bfloat16 is native, bfloat16 weights served a batch of
+    +0.53% (bench/RESULTS.md). Where bfloat16 is native, bfloat16 weights served a batch of
     32 1.5x faster than int8 or int4 (bench/RESULTS.md, "CPU, the default model")."""
     if quantization != "auto":
         return quantization
