@@ -6,8 +6,9 @@ python -m gapless.bench.floor --batch 1 32 --format fp32 int8-fp32 int4-fp32
 
 Every linear layer of the model (30 layers x q, k, v, o, gate, up, down, then the output
 layer), with the model's shapes and the module the engine runs for the format (F.linear for
-float weights, the int8 / int4 kernels of --quantization), one after another on a [batch, in]
-input: a step's weight reads and FLOPs with nothing around them. Median of 10 after warm-up.
+float weights, the int8 / int4 kernels of --quantization, fbgemm's for w8a8 past one row),
+one after another on a [batch, in] input: a step's weight reads and FLOPs with nothing around
+them. Median of 10 after warm-up.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ FORMATS = {
     # without bfloat16 instructions
     "int8-fp32": ("float32", "int8"),
     "int4-fp32": ("float32", "int4"),
+    # int8 x int8 products (fbgemm), rows of more than one; float32 activations around them
+    "w8a8": ("float32", "w8a8"),
 }
 
 
@@ -41,18 +44,32 @@ def linear_layers(model: nn.Module) -> list[nn.Module]:
     """The model's matmul modules in the order a step runs them."""
     from torch import nn
 
-    from gapless.gpu_runner.quant import Int4Linear, Int8Linear
+    from gapless.gpu_runner.quant import Int4Linear, Int8Linear, W8A8Linear
 
-    kinds = (nn.Linear, Int8Linear, Int4Linear)
-    return [m for m in model.modules() if isinstance(m, kinds)]
+    kinds = (nn.Linear, Int8Linear, Int4Linear, W8A8Linear)
+    inner = {id(m.one_row) for m in model.modules() if isinstance(m, W8A8Linear)}
+    return [m for m in model.modules() if isinstance(m, kinds) and id(m) not in inner]
 
 
 def in_features(module: nn.Module) -> int:
-    from gapless.gpu_runner.quant import Int4Linear
+    from gapless.gpu_runner.quant import Int4Linear, W8A8Linear
 
     if isinstance(module, Int4Linear):
         return module.packed.shape[1] * 2
+    if isinstance(module, W8A8Linear):
+        return module.in_features
     return module.weight.shape[1]
+
+
+def weight_bytes(module: nn.Module) -> int:
+    """Bytes of a matmul module's weights, scales and offsets (fbgemm's packed ones included)."""
+    from gapless.gpu_runner.quant import W8A8Linear
+
+    tensors = [*module.parameters(), *module.buffers()]
+    if isinstance(module, W8A8Linear):
+        weight, bias = module.packed.unpack()
+        tensors += [weight.int_repr(), weight.q_per_channel_scales()]
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def build(arch, fmt: str) -> nn.Module:
@@ -77,9 +94,18 @@ def floor_step(model: nn.Module, batch: int, dtype: torch.dtype, repeats: int = 
     layers = linear_layers(model)
     inputs = {n: torch.randn(batch, n, dtype=dtype) for n in {in_features(m) for m in layers}}
 
+    from gapless.gpu_runner.quant import W8A8Linear
+
+    def kernel(m: nn.Module):
+        if isinstance(m, W8A8Linear) and batch > 1:  # fbgemm's matmul alone (the row scaling
+            return lambda x: torch.ops.quantized.linear_dynamic(x, m.packed, False)  # fuses)
+        return m
+
+    calls = [(kernel(m), inputs[in_features(m)]) for m in layers]
+
     def step() -> None:
-        for m in layers:
-            m(inputs[in_features(m)])
+        for call, x in calls:
+            call(x)
 
     for _ in range(3):
         step()
@@ -108,8 +134,7 @@ def main(argv: list[str] | None = None) -> None:
     arch = load_arch(resolve_model(args.model))
     for fmt in args.format:
         model = build(arch, fmt)
-        nbytes = sum(b.numel() * b.element_size() for m in linear_layers(model)
-                     for b in [*m.parameters(), *m.buffers()])  # fmt: skip
+        nbytes = sum(weight_bytes(m) for m in linear_layers(model))
         for batch in args.batch:
             times = floor_step(model, batch, getattr(torch, FORMATS[fmt][0]))
             step = statistics.median(times)

@@ -1,4 +1,5 @@
-"""Weight-only quantized linear layers on cpu, over torch's own int8 and int4 kernels.
+"""Quantized linear layers on cpu: weight-only int8 and int4 over torch's own kernels, and
+w8a8, int8 x int8 products through fbgemm (W8A8Linear).
 
 Decode at small batch reads every weight once a token, so its speed is the weights' bytes.
 `--quantization int8` keeps each output row as int8 with one scale (aten._weight_int8pack_mm);
@@ -13,6 +14,9 @@ these layers; inside, the kernels run in bfloat16 (KERNEL_DTYPE).
 
 from __future__ import annotations
 
+import itertools
+import warnings
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -42,6 +46,11 @@ KERNEL_DTYPE = torch.bfloat16
 # widened 349 ms at 128 and 986 at 512 (the widening ~100 ms of it), float32 weights
 # 148 / 250 / 873 (`python -m gapless.bench.floor --batch 32 64 128 512 --format int8-fp32 fp32`).
 DENSE_ROWS = 64
+# why 63: on x86 without VNNI, fbgemm multiplies 8-bit activations (0..255) by 8-bit weights
+# pairwise into 16 bits, which saturate past 32767; 2 * 255 * 63 cannot. The alternative, 7-bit
+# activations (fbgemm's reduce_range), cost the default model +11% perplexity against +0.40%
+# with 7-bit weights and 8-bit activations (`python -m gapless.bench.perplexity`).
+W8A8_TOP = 63
 QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -84,11 +93,91 @@ class Int4Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-def int8_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [N, K] float -> (int8 [N, K], scale [N] float32), symmetric per row."""
+# W8A8Linear's packed weights, by handle. The compiler cannot trace fbgemm's packed object, so
+# the op it sees takes tensors only; the packed weights never leave this process.
+# A layer's entry goes with the layer.
+PACKED: dict[int, object] = {}
+_HANDLES = itertools.count()
+
+
+# why a plain library op rather than torch.library.custom_op: the compiled step calls it ~200
+# times a step, and custom_op's Python wrappers cost ~30 us a call more (a 64 x 32 layer of 2
+# rows: 78 against 47 us, fbgemm alone 36, AVX2 EPYC)
+_LIB = torch.library.Library("gapless", "FRAGMENT")
+_LIB.define("w8a8_linear(Tensor x, Tensor handle, Tensor scales) -> Tensor")
+_LINEAR_DYNAMIC = torch.ops.quantized.linear_dynamic.default
+
+
+def _w8a8_linear(x: torch.Tensor, handle: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [M, K] float32 -> [M, N]: fbgemm's dynamic int8 matmul with the weights of `handle`."""
+    return _LINEAR_DYNAMIC(x, PACKED[int(handle.item())], False)
+
+
+_LIB.impl("w8a8_linear", _w8a8_linear, "CPU")
+
+
+@torch.library.register_fake("gapless::w8a8_linear")
+def _(x: torch.Tensor, handle: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], scales.shape[0])
+
+
+class W8A8Linear(nn.Module):
+    """y = x W^T (+ b) on int8 x int8 products: W int8 in -63..63 with one scale per output
+    row; x quantized at each call, per row, to 8 bits (fbgemm's dynamic quantized linear).
+    A single row goes through `one_row`, the weight-only int8 layer of the same weights."""
+
+    def __init__(self, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
+                 one_row: Int8Linear):
+        super().__init__()
+        self.one_row = one_row
+        assert int(weight.abs().max()) <= W8A8_TOP, "W8A8Linear takes weights in -63..63"
+        zero = torch.zeros(weight.shape[0], dtype=torch.long)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # torch's quantized tensors are old
+            qweight = torch.quantize_per_channel(
+                weight.float() * scales.float()[:, None], scales.double(), zero, 0, torch.qint8
+            )
+        self.packed = torch.ops.quantized.linear_prepack(qweight, None)
+        handle = next(_HANDLES)
+        PACKED[handle] = self.packed
+        weakref.finalize(self, PACKED.pop, handle, None)
+        self.register_buffer("handle", torch.tensor(handle))
+        self.register_buffer("scales", scales.float())  # [N]
+        self.in_features = weight.shape[1]
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        flat = x.reshape(-1, x.shape[-1]).float()
+        if flat.shape[0] == 1:
+            # why: fbgemm's dynamic matmul costs ~37 us a call whatever its size, and the op
+            # around it ~27 more, against ~18 us for the weight-only kernel (a 64 x 32 layer,
+            # AVX2 EPYC); at ~200 calls a token that was 10-13 ms of a one-stream step (TPOT
+            # 48.4 / 57.1 ms against 35.1 / 46.9 with int8, served, two alternating pairs).
+            # It costs a second int8 copy of the weights.
+            return self.one_row(x)
+        # why each row scaled to 1 first: fbgemm quantizes the whole input with one scale, and
+        # one token's outlier (the first of a prompt) would take the other rows' precision
+        row = flat.abs().amax(-1, keepdim=True).clamp(min=1e-12)
+        if torch.compiler.is_compiling():
+            y = torch.ops.gapless.w8a8_linear(flat / row, self.handle, self.scales)
+        else:
+            y = _LINEAR_DYNAMIC(flat / row, self.packed, False)
+        y = (y * row).view(*lead, -1).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+
+def make_w8a8(w: torch.Tensor, bias: torch.Tensor | None) -> W8A8Linear:
+    """W8A8Linear of float weights w [N, K], with its weight-only layer for single rows."""
+    q, scale = int8_rows(w)
+    return W8A8Linear(*int8_rows(w, W8A8_TOP), bias, Int8Linear(q, scale.to(KERNEL_DTYPE), bias))
+
+
+def int8_rows(w: torch.Tensor, top: int = 127) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] float -> (int8 [N, K] in -top..top, scale [N] float32), symmetric per row."""
     w = w.float()
-    scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127.0
-    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    scale = w.abs().amax(dim=1).clamp(min=1e-12) / top
+    q = torch.round(w / scale[:, None]).clamp_(-top, top).to(torch.int8)
     return q, scale
 
 
@@ -141,7 +230,7 @@ def quantize_model(model: nn.Module, mode: str, model_path: str, arch: ModelArch
     """Swap the decoder's linear layers (and the output layer) for quantized ones, in place."""
     if mode == "none":
         return
-    assert mode in ("int8", "int4"), f"unknown quantization {mode!r}"
+    assert mode in ("int8", "int4", "w8a8"), f"unknown quantization {mode!r}"
     path = Path(model_path)
     exact = q4_1_blocks(path, arch) if mode == "int4" and path.is_file() else {}
     for name, module in list(model.named_modules()):
@@ -151,10 +240,15 @@ def quantize_model(model: nn.Module, mode: str, model_path: str, arch: ModelArch
         if mode == "int8":
             q, scale = int8_rows(module.weight.detach())
             new: nn.Module = Int8Linear(q, scale.to(KERNEL_DTYPE), bias)
+        elif mode == "w8a8":
+            new = make_w8a8(module.weight.detach(), bias)
         else:
             q, d, m = exact.get(name) or int4_groups(module.weight.detach())
             new = make_int4(q, d, m, bias)
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent), attr, new)
+    if mode == "w8a8":
+        model.lm_head = make_w8a8(model.lm_head.weight.detach(), None)
+        return
     q, scale = int8_rows(model.lm_head.weight.detach())
     model.lm_head = Int8Linear(q, scale.to(KERNEL_DTYPE), None)

@@ -66,19 +66,29 @@ def resolve_dtype(dtype: str, device: str) -> str:
 
 
 def resolve_quantization(quantization: str, dtype: str, device: str) -> str:
-    """--quantization auto: int8 weights where --dtype auto gives float32 on cpu, else none
-    (an explicit --dtype float32 keeps float32 weights: the exact path).
+    """--quantization auto, on a cpu where --dtype auto gives float32: w8a8 where torch has
+    fbgemm's int8 kernels (x86), else int8; none elsewhere (an explicit --dtype float32 keeps
+    float32 weights: the exact path).
 
     why: a float32 weight is 4 bytes read a token. On an AVX2-only AMD EPYC (2 cores), served,
     int8 decoded one stream at 26.5 ms a token against 52.3 (TPOT, `gapless bench --launch
     --workload 128:256 --num-requests 1 -- --quantization int8`, then `none`) and 32 streams
-    of 128:128 at 110.0 against 102.7 output tok/s (`--num-requests 32`, 128:128); perplexity
-    +0.53% (bench/RESULTS.md). Where bfloat16 is native, bfloat16 weights served a batch of
+    of 128:128 at 110.0 against 102.7 output tok/s (`--num-requests 32`, 128:128); w8a8 then
+    served the 32 streams at 121.9 against int8's 89.3 tok/s in one sitting, and one stream
+    as int8 does (its single rows take int8's kernel); perplexity +0.40% (w8a8) and +0.53%
+    (int8) (bench/RESULTS.md). Where bfloat16 is native, bfloat16 weights served a batch of
     32 1.5x faster than int8 or int4 (bench/RESULTS.md, "CPU, the default model")."""
     if quantization != "auto":
         return quantization
     native = resolve_dtype("auto", device) != "float32"
-    return "int8" if device == "cpu" and dtype == "auto" and not native else "none"
+    if device != "cpu" or dtype != "auto" or native:
+        return "none"
+    return "w8a8" if has_fbgemm() else "int8"
+
+
+def has_fbgemm() -> bool:
+    """Whether this torch has fbgemm's int8 cpu kernels (x86 builds)."""
+    return "fbgemm" in torch.backends.quantized.supported_engines
 
 
 def cpu_flags() -> set[str]:

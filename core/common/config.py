@@ -11,7 +11,7 @@ import msgspec
 Device = Literal["cpu", "sim", "cuda"]
 DType = Literal["auto", "bfloat16", "float32", "float16"]
 CpuWait = Literal["short", "passive", "spin"]
-Quantization = Literal["auto", "none", "int8", "int4"]
+Quantization = Literal["auto", "none", "int8", "int4", "w8a8"]
 SchedulingPolicy = Literal["fair", "priority", "fcfs"]
 LogLevel = Literal["debug", "info", "warning", "error"]
 LogFormat = Literal["text", "json"]
@@ -94,10 +94,12 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     quantization: Annotated[
         Quantization,
         msgspec.Meta(
-            description="weight-only quantized linear layers on cpu (activations keep --dtype): "
-            "int8 = one scale per output row; int4 = groups of 32 with a scale and an offset, "
-            "which holds a Q4_1 GGUF's weights exactly; none = --dtype weights; auto: int8 on "
-            "a cpu where --dtype auto serves float32 (no bfloat16 instructions), else none"
+            description="quantized linear layers on cpu: int8 = weight-only, one scale per "
+            "output row; int4 = weight-only, groups of 32 with a scale and an offset, which "
+            "holds a Q4_1 GGUF's weights exactly; w8a8 = int8 x int8 products (fbgemm; x86), "
+            "the activations quantized per row at each call; none = --dtype weights; auto: "
+            "w8a8 (int8 without fbgemm) on a cpu where --dtype auto serves float32 (no "
+            "bfloat16 instructions), else none"
         ),
     ] = "auto"
     # scheduling

@@ -1,5 +1,5 @@
-"""--dtype auto: bfloat16 only where the CPU computes it natively; --quantization auto: int8
-weights where --dtype auto would serve float32 ones."""
+"""--dtype auto: bfloat16 only where the CPU computes it natively; --quantization auto: w8a8
+(or int8, without fbgemm) where --dtype auto would serve float32 weights."""
 
 from __future__ import annotations
 
@@ -32,20 +32,34 @@ def test_auto_dtype_is_bfloat16_only_where_it_is_computed_natively(
 @pytest.mark.parametrize(
     "flags, dtype, device, want",
     [
-        ({"avx2", "fma"}, "auto", "cpu", "int8"),  # float32 weights otherwise
+        ({"avx2", "fma"}, "auto", "cpu", "w8a8"),  # float32 weights otherwise
         ({"avx512f", "avx512_bf16"}, "auto", "cpu", "none"),  # bfloat16 weights
         ({"avx2", "fma"}, "float32", "cpu", "none"),  # float32 asked for: the exact path
         ({"avx2", "fma"}, "bfloat16", "cpu", "none"),
         ({"avx2"}, "auto", "cuda", "none"),
     ],
 )
-def test_auto_quantization_is_int8_only_where_auto_dtype_is_float32_on_cpu(
+def test_auto_quantization_is_w8a8_only_where_auto_dtype_is_float32_on_cpu(
     monkeypatch, flags, dtype, device, want
 ):
     monkeypatch.setattr(runner, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(runner, "has_fbgemm", lambda: True)
     assert runner.resolve_quantization("auto", dtype, device) == want
     assert runner.resolve_quantization("int4", "auto", "cpu") == "int4", "a format asked for"
     assert runner.resolve_quantization("none", "auto", "cpu") == "none"
+
+
+def test_auto_quantization_is_int8_where_torch_has_no_fbgemm(monkeypatch) -> None:
+    monkeypatch.setattr(runner, "cpu_flags", lambda: {"asimd"})  # an Arm CPU without BF16
+    monkeypatch.setattr(runner, "has_fbgemm", lambda: False)
+    assert runner.resolve_quantization("auto", "auto", "cpu") == "int8"
+
+
+def test_fbgemm_is_found_in_an_x86_torch() -> None:
+    import platform
+
+    if platform.machine() in ("x86_64", "AMD64"):
+        assert runner.has_fbgemm()
 
 
 def test_cpu_flags_reads_this_machine():

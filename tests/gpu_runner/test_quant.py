@@ -1,4 +1,5 @@
-"""Weight-only int8 / int4 linear layers: torch's kernels, GGUF's Q4_1 kept exactly, quality."""
+"""Quantized linear layers: weight-only int8 / int4 over torch's kernels, GGUF's Q4_1 kept
+exactly, w8a8 over fbgemm's int8 products; quality."""
 
 from __future__ import annotations
 
@@ -12,10 +13,13 @@ from gapless.core.common.model_files import load_arch, load_tokenizer, resolve_m
 from gapless.gpu_runner.quant import (
     DENSE_ROWS,
     KERNEL_DTYPE,
+    W8A8_TOP,
     Int8Linear,
+    W8A8Linear,
     int4_groups,
     int8_rows,
     make_int4,
+    make_w8a8,
     q4_1_blocks,
 )
 from gapless.gpu_runner.weights import load_weights
@@ -59,6 +63,55 @@ def test_int4_linear_is_the_group_dequantized_product(dtype: torch.dtype) -> Non
     assert torch.allclose(got.float(), want, rtol=2e-2, atol=5e-2)
 
 
+def _rows_close(got: torch.Tensor, want: torch.Tensor, within: float) -> None:
+    err = (got - want).norm(dim=-1) / want.norm(dim=-1)
+    assert err.max() < within, err
+
+
+@pytest.mark.parametrize("rows", [2, 7, DENSE_ROWS + 1])
+def test_w8a8_linear_is_the_product_of_its_int8_weights(rows: int) -> None:
+    gen = torch.Generator().manual_seed(2)
+    w, x, b = torch.randn(96, 64, generator=gen), torch.randn(rows, 64, generator=gen), torch.randn(96)
+    x[0] *= 100.0  # a prompt's first token: its scale must not take the other rows' precision
+    layer = make_w8a8(w, b)
+    q, scale = int8_rows(w, W8A8_TOP)
+    assert q.abs().max() == W8A8_TOP
+    want = F.linear(x, q.float() * scale[:, None], b)
+    got = layer(x.view(1, rows, 64))
+    assert got.dtype == torch.float32 and got.shape == (1, rows, 96)
+    _rows_close(got[0], want, 0.01)  # 8-bit activations, each row on its own scale
+
+
+def test_w8a8_linear_takes_the_weight_only_kernel_for_one_row() -> None:
+    gen = torch.Generator().manual_seed(3)
+    w, x = torch.randn(96, 64, generator=gen), torch.randn(1, 64, generator=gen)
+    layer = make_w8a8(w, None)
+    assert torch.equal(layer(x), layer.one_row(x))
+    q, scale = int8_rows(w)
+    assert torch.equal(layer.one_row.weight, q), "the one-row kernel keeps all 8 bits"
+
+
+def test_w8a8_products_do_not_saturate() -> None:
+    """The worst case for AVX2's pairwise 16-bit sums: every activation at the top of its
+    range (255) against the largest weights of one sign."""
+    k = 64
+    x = torch.ones(2, k)
+    x[:, -1] = -1.0  # the row's range is -1..1, so every other activation quantizes to 255
+    w = torch.full((8, k), 0.5)
+    layer = make_w8a8(w, None)
+    want = F.linear(x, w)
+    assert torch.allclose(layer(x), want, rtol=0.01), (layer(x), want)  # 8 bits: 1/255
+
+
+def test_w8a8_compiled_matches_eager() -> None:
+    gen = torch.Generator().manual_seed(4)
+    layer = make_w8a8(torch.randn(96, 64, generator=gen), None)
+    step = torch.compile(lambda m, x: F.silu(m(x)), dynamic=True, fullgraph=True)
+    for rows in (3, 9):
+        x = torch.randn(rows, 64, generator=gen)
+        assert torch.equal(step(layer, x), F.silu(layer(x)))
+
+
 @pytest.mark.slow
 def test_q4_1_blocks_hold_the_files_weights_exactly(default_gguf) -> None:
     info = resolve_model(str(default_gguf))
@@ -87,11 +140,12 @@ def test_quantized_formats_keep_perplexity_within_2_percent_and_say_paris(defaul
         "streets toward the water. Fishermen pulled their boats onto the gravel."
     )
     ppl = {}
-    # int4 decodes through the compiled step (bf16 activations), the others eagerly; int8 under
-    # float32 activations, which convert at the quantized layers' edges
+    # int4 decodes through the compiled step (bf16 activations), the others eagerly; int8 and
+    # w8a8 under float32 activations, which convert at the quantized layers' edges
     for dtype, quant, compile in (
         ("float32", "none", ["--no-compile"]),
         ("float32", "int8", ["--no-compile"]),
+        ("float32", "w8a8", ["--no-compile"]),
         ("bfloat16", "int4", []),
     ):
         args = [
@@ -108,6 +162,19 @@ def test_quantized_formats_keep_perplexity_within_2_percent_and_say_paris(defaul
         ids = streams.prefill([prompt]) + [streams.decode()[0] for _ in range(10)]
         assert "Paris" in tok.decode(ids), (quant, tok.decode(ids))
     assert 1.0 < ppl["none"] < 200.0
-    for quant in ("int8", "int4"):
+    for quant in ("int8", "w8a8", "int4"):
         assert abs(ppl[quant] / ppl["none"] - 1) < 0.02, ppl
-    assert ppl["int4"] != ppl["none"]  # the quantized path ran
+        assert ppl[quant] != ppl["none"], "the quantized path ran"
+
+
+def test_w8a8_packed_weights_go_with_their_layer() -> None:
+    import gc
+
+    from gapless.gpu_runner.quant import PACKED
+
+    layer = make_w8a8(torch.randn(8, 32), None)
+    handle = int(layer.handle)
+    assert PACKED[handle] is layer.packed
+    del layer
+    gc.collect()
+    assert handle not in PACKED
