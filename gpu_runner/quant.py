@@ -132,11 +132,12 @@ class W8A8Linear(nn.Module):
         self.one_row = one_row
         assert int(weight.abs().max()) <= W8A8_TOP, "W8A8Linear takes weights in -63..63"
         zero = torch.zeros(weight.shape[0], dtype=torch.long)
+        # why not quantize_per_channel: it rounds float weights again, 150x slower than taking
+        # the int8 values as they are (9.6 against 0.06 ms for a 1536 x 576 layer), ~2 s of a
+        # start over the default model's layers
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # torch's quantized tensors are old
-            qweight = torch.quantize_per_channel(
-                weight.float() * scales.float()[:, None], scales.double(), zero, 0, torch.qint8
-            )
+            qweight = torch._make_per_channel_quantized_tensor(weight, scales.double(), zero, 0)
         self.packed = torch.ops.quantized.linear_prepack(qweight, None)
         handle = next(_HANDLES)
         PACKED[handle] = self.packed
