@@ -72,7 +72,7 @@ class Int8Linear(nn.Module):
             y = F.linear(x, w)
             return y if self.bias is None else y + self.bias
         y = torch.ops.aten._weight_int8pack_mm(flat.to(KERNEL_DTYPE), self.weight, self.scales)
-        y = y.view(*lead, -1).to(x.dtype)
+        y = y.view(*lead, self.weight.shape[0]).to(x.dtype)  # why not -1: a step may have 0 rows
         return y if self.bias is None else y + self.bias
 
 
@@ -89,7 +89,7 @@ class Int4Linear(nn.Module):
         lead = x.shape[:-1]
         flat = x.reshape(-1, x.shape[-1]).to(KERNEL_DTYPE)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP, self.scales_zeros)
-        y = y.view(*lead, -1).to(x.dtype)
+        y = y.view(*lead, self.scales_zeros.shape[1]).to(x.dtype)
         return y if self.bias is None else y + self.bias
 
 
@@ -164,7 +164,7 @@ class W8A8Linear(nn.Module):
             y = torch.ops.gapless.w8a8_linear(flat / row, self.handle, self.scales)
         else:
             y = _LINEAR_DYNAMIC(flat / row, self.packed, False)
-        y = (y * row).view(*lead, -1).to(x.dtype)
+        y = (y * row).view(*lead, self.scales.shape[0]).to(x.dtype)
         return y if self.bias is None else y + self.bias
 
 

@@ -178,3 +178,33 @@ def test_w8a8_packed_weights_go_with_their_layer() -> None:
     del layer
     gc.collect()
     assert handle not in PACKED
+
+
+def test_quantized_layers_take_a_step_without_rows() -> None:
+    """A step of mid-prompt chunks samples nothing: the output layer gets 0 rows."""
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(16, 64, generator=gen)
+    q, scale = int8_rows(w)
+    layers = [make_w8a8(w, None), Int8Linear(q, scale.to(KERNEL_DTYPE), None),
+              make_int4(*int4_groups(w), None)]  # fmt: skip
+    for layer in layers:
+        assert layer(torch.randn(0, 64)).shape == (0, 16), type(layer).__name__
+
+
+@pytest.mark.slow
+def test_a_prompt_longer_than_a_step_at_the_default_quantization(default_gguf) -> None:
+    import httpx
+
+    from tests.server import Server
+
+    server = Server("--model", str(default_gguf), "--max-num-batched-tokens", "64")
+    try:
+        prompt = list(range(100, 300))  # 200 tokens: three chunks sample nothing
+        r = httpx.post(server.url + "/v1/completions", timeout=120, json={
+            "model": default_gguf.stem, "prompt": prompt, "max_tokens": 4,
+        })  # fmt: skip
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] == 200
+        assert "w8a8 weights" in server.read_log() or "int8 weights" in server.read_log()
+    finally:
+        assert server.stop() == 0, server.read_log()
