@@ -62,7 +62,8 @@ def in_features(module: nn.Module) -> int:
 
 
 def weight_bytes(module: nn.Module) -> int:
-    """Bytes of a matmul module's weights, scales and offsets (fbgemm's packed ones included)."""
+    """Bytes a matmul module holds: weights, scales and offsets (w8a8: fbgemm's packed copy
+    and the one-row layer's, of which a step reads one)."""
     from gapless.gpu_runner.quant import W8A8Linear
 
     tensors = [*module.parameters(), *module.buffers()]
@@ -141,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
             print(
                 f"{fmt:>9} batch {batch:4d}: matmuls {step * 1e3:8.2f} ms a step "
                 f"(median of {len(times)}), {batch / step:8.1f} tok/s, "
-                f"{nbytes / 2**20:6.1f} MiB of weights; load {os.getloadavg()[0]:.1f}",
+                f"{nbytes / 2**20:6.1f} MiB of weights held; load {os.getloadavg()[0]:.1f}",
                 flush=True,
             )
 

@@ -9,7 +9,8 @@ q in 0..15 equals (q - 8) * d + (m + 8 d), the kernel's form, so a Q4_1 file los
 Weights a format cannot hold exactly are quantized from their float values (int8: per row,
 symmetric; int4: per group of 32, min to max). The output layer stays int8 under int4: tied
 to a Q8_0 embedding, 4 bits would lose what the file has. Activations keep --dtype outside
-these layers; inside, the kernels run in bfloat16 (KERNEL_DTYPE).
+these layers; inside, the weight-only kernels run in bfloat16 (KERNEL_DTYPE), and fbgemm's
+w8a8 takes float32.
 """
 
 from __future__ import annotations
@@ -130,7 +131,7 @@ class W8A8Linear(nn.Module):
                  one_row: Int8Linear):
         super().__init__()
         self.one_row = one_row
-        assert int(weight.abs().max()) <= W8A8_TOP, "W8A8Linear takes weights in -63..63"
+        assert -W8A8_TOP <= int(weight.min()) and int(weight.max()) <= W8A8_TOP, "weights in -63..63"
         zero = torch.zeros(weight.shape[0], dtype=torch.long)
         # why not quantize_per_channel: it rounds float weights again, 150x slower than taking
         # the int8 values as they are (9.6 against 0.06 ms for a 1536 x 576 layer), ~2 s of a
