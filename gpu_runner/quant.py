@@ -127,11 +127,18 @@ class W8A8Linear(nn.Module):
     row; x quantized at each call, per row, to 8 bits (fbgemm's dynamic quantized linear).
     A single row goes through `one_row`, the weight-only int8 layer of the same weights."""
 
-    def __init__(self, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
-                 one_row: Int8Linear):
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        scales: torch.Tensor,
+        bias: torch.Tensor | None,
+        one_row: Int8Linear,
+    ):
         super().__init__()
         self.one_row = one_row
-        assert -W8A8_TOP <= int(weight.min()) and int(weight.max()) <= W8A8_TOP, "weights in -63..63"
+        assert -W8A8_TOP <= int(weight.min()) and int(weight.max()) <= W8A8_TOP, (
+            "weights in -63..63"
+        )
         zero = torch.zeros(weight.shape[0], dtype=torch.long)
         # why not quantize_per_channel: it rounds float weights again, 150x slower than taking
         # the int8 values as they are (9.6 against 0.06 ms for a 1536 x 576 layer), ~2 s of a
@@ -148,9 +155,13 @@ class W8A8Linear(nn.Module):
         self.in_features = weight.shape[1]
         self.bias = bias
 
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] float32, rows already scaled -> [M, N]: fbgemm's call alone, eagerly."""
+        return _LINEAR_DYNAMIC(x, self.packed, False)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        flat = x.reshape(-1, x.shape[-1]).float()
+        flat = x.reshape(-1, x.shape[-1])
         if flat.shape[0] == 1:
             # why: fbgemm's dynamic matmul costs ~37 us a call whatever its size, and the op
             # around it ~27 more, against ~18 us for the weight-only kernel (a 64 x 32 layer,
@@ -158,13 +169,14 @@ class W8A8Linear(nn.Module):
             # 48.4 / 57.1 ms against 35.1 / 46.9 with int8, served, two alternating pairs).
             # It costs a second int8 copy of the weights.
             return self.one_row(x)
+        flat = flat.float()
         # why each row scaled to 1 first: fbgemm quantizes the whole input with one scale, and
         # one token's outlier (the first of a prompt) would take the other rows' precision
         row = flat.abs().amax(-1, keepdim=True).clamp(min=1e-12)
         if torch.compiler.is_compiling():
             y = torch.ops.gapless.w8a8_linear(flat / row, self.handle, self.scales)
         else:
-            y = _LINEAR_DYNAMIC(flat / row, self.packed, False)
+            y = self.matmul(flat / row)
         y = (y * row).view(*lead, self.scales.shape[0]).to(x.dtype)
         return y if self.bias is None else y + self.bias
 

@@ -70,7 +70,11 @@ def _rows_close(got: torch.Tensor, want: torch.Tensor, within: float) -> None:
 @pytest.mark.parametrize("rows", [2, 7, DENSE_ROWS + 1])
 def test_w8a8_linear_is_the_product_of_its_int8_weights(rows: int) -> None:
     gen = torch.Generator().manual_seed(2)
-    w, x, b = torch.randn(96, 64, generator=gen), torch.randn(rows, 64, generator=gen), torch.randn(96)
+    w, x, b = (
+        torch.randn(96, 64, generator=gen),
+        torch.randn(rows, 64, generator=gen),
+        torch.randn(96),
+    )
     x[0] *= 100.0  # a prompt's first token: its scale must not take the other rows' precision
     layer = make_w8a8(w, b)
     q, scale = int8_rows(w, W8A8_TOP)
