@@ -16,6 +16,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from gapless.gpu_runner import kernels
+
 # why: a compiled step specializes a dimension of size 1, so decode contexts span at least two
 # pages (the second masked off) and one compilation covers every context length
 MIN_DECODE_PAGES = 2
@@ -81,6 +83,7 @@ class AttnMetadata:
     scale: float
     block_size: int
     all_decode: bool = False  # every row is a decode, in order: no gather or scatter of q
+    kernel: bool = False  # decodes take gpu_runner/kernels.py's paged kernel
     _mask: torch.Tensor | None = None  # decode_mask(), made once per step on the eager path
 
     def decode_mask(self) -> torch.Tensor:  # [D, 1, 1, P * bs] bool, False past the context
@@ -89,6 +92,11 @@ class AttnMetadata:
         return self._mask
 
     def attend(self, q, k, v, k_cache, v_cache) -> torch.Tensor:
+        if self.all_decode and self.kernel and torch.compiler.is_compiling():
+            return torch.ops.gapless.paged_decode(
+                q, k, v, k_cache, v_cache, self.slot_mapping, self.decode_pages,
+                self.decode_ctx, self.scale, self.block_size,
+            )  # fmt: skip
         if self.all_decode and torch.compiler.is_compiling():
             write_kv(k, v, k_cache, v_cache, self.slot_mapping)
             if q.shape[0] == 1:  # the batch-1 graph (sizes of 1 are specialized: no guard)
@@ -110,9 +118,12 @@ class TorchAttention:
     of a step's preparation (63 us of ~180 at 256 decodes of 500 tokens); attention derives it
     where it is used, fused into the compiled step."""
 
-    def __init__(self, max_decodes: int, max_context: int, block_size: int, scale: float) -> None:
+    def __init__(
+        self, max_decodes: int, max_context: int, block_size: int, scale: float, kernel: bool
+    ) -> None:
         self.scale = scale
         self.block_size = block_size
+        self.kernel = kernel
         max_pages = max(MIN_DECODE_PAGES, -(-max_context // block_size))
         self._pages = np.zeros(max_decodes * max_pages, dtype=np.int64)
         self._rows = torch.arange(max_decodes)  # [max_decodes] long: decode_rows of a decode step
@@ -162,6 +173,7 @@ class TorchAttention:
             scale=self.scale,
             block_size=bs,
             all_decode=all_decode,
+            kernel=self.kernel,
         )
 
 
@@ -179,14 +191,26 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttnMetadata,
 ) -> torch.Tensor:  # [T, H, d]
+    if meta.all_decode and meta.kernel:
+        return kernels.paged_decode(
+            q, k_cache, v_cache, meta.decode_pages, meta.decode_ctx, meta.scale,
+            meta.block_size, writes=(k, v, meta.slot_mapping),
+        )  # fmt: skip
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
     if meta.all_decode:
         return _decode(q.unsqueeze(2), k_cache, v_cache, meta).squeeze(2)
     out = torch.empty_like(q)
     if meta.decode_rows.numel():
-        qd = q.index_select(0, meta.decode_rows).unsqueeze(2)  # [D, H, 1, d]
-        out.index_copy_(0, meta.decode_rows, _decode(qd, k_cache, v_cache, meta).squeeze(2))
+        qd = q.index_select(0, meta.decode_rows)  # [D, H, d]
+        if meta.kernel:
+            od = kernels.paged_decode(
+                qd, k_cache, v_cache, meta.decode_pages, meta.decode_ctx, meta.scale,
+                meta.block_size,
+            )  # fmt: skip
+        else:
+            od = _decode(qd.unsqueeze(2), k_cache, v_cache, meta).squeeze(2)
+        out.index_copy_(0, meta.decode_rows, od)
     paged = (-1, meta.block_size, *k_cache.shape[1:])  # [blocks, bs, KVH, d]
     for p in meta.prefills:
         rows = slice(p.token_start, p.token_start + p.num_tokens)
@@ -215,6 +239,32 @@ def write_kv(
     dynamic (measured on torch 2.13), hence one tensor per layer for K and for V."""
     k_cache.index_copy_(0, slot_mapping, k)
     v_cache.index_copy_(0, slot_mapping, v)
+
+
+_LIB = torch.library.Library("gapless", "FRAGMENT")
+_LIB.define(
+    "paged_decode(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+    "Tensor slot_mapping, Tensor pages, Tensor ctx, float scale, int block_size) -> Tensor"
+)
+
+
+def _paged_decode(q, k, v, k_cache, v_cache, slot_mapping, pages, ctx, scale, block_size):
+    """The decode layer's attention in a compiled step: the cache writes, then the kernel.
+
+    why a plain library op rather than torch.library.custom_op: its Python wrappers cost
+    ~30 us a call more (see gpu_runner/quant.py), twice a layer as write_kv plus
+    decode_attention"""
+    return kernels.paged_decode(
+        q, k_cache, v_cache, pages, ctx, scale, block_size, writes=(k, v, slot_mapping)
+    )
+
+
+_LIB.impl("paged_decode", _paged_decode, "CPU")
+
+
+@torch.library.register_fake("gapless::paged_decode")
+def _(q, k, v, k_cache, v_cache, slot_mapping, pages, ctx, scale, block_size):
+    return torch.empty_like(q)
 
 
 @write_kv.register_fake

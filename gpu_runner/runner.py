@@ -24,6 +24,7 @@ from gapless.core.common.messages import (
 )
 from gapless.core.common.model_files import ModelArch, load_arch, load_tokenizer
 from gapless.gpu_runner import compiled
+from gapless.gpu_runner import kernels
 from gapless.gpu_runner.attention import AttentionMeta, StepLayout, TorchAttention
 from gapless.gpu_runner.batch import (
     FED_IDS,
@@ -225,7 +226,9 @@ class ModelRunner:
     def make_attention(self):
         max_context = self.max_blocks_per_seq * self.config.block_size
         bs, scale = self.config.block_size, self.arch.head_dim**-0.5
-        return TorchAttention(self.graphs.max_size, max_context, bs, scale)
+        kernel = self.config.attention_kernel and kernels.available(self.dtype)
+        log.info("cpu decode attention: %s", "paged kernel" if kernel else "torch (gather + SDPA)")
+        return TorchAttention(self.graphs.max_size, max_context, bs, scale, kernel)
 
     # the Backend contract: on cpu a launch runs the whole step, so it is ready at once
     def launch(self, plan: StepPlan) -> StepResult:

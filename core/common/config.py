@@ -241,6 +241,15 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             extra={"off": "run cpu decode steps eagerly instead of compiling them at start"},
         ),
     ] = True
+    attention_kernel: Annotated[
+        bool,
+        msgspec.Meta(
+            description="cpu decode attention through gapless's paged kernel, built with the "
+            "machine's C++ compiler at first use (cached under the cache directory); without "
+            "a compiler, torch's",
+            extra={"off": "cpu decode attention through torch (a gathered copy, then SDPA)"},
+        ),
+    ] = True
     trace_file: Annotated[
         str | None, msgspec.Meta(description="write the device timeline as a Chrome trace here")
     ] = None

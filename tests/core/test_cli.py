@@ -54,6 +54,7 @@ FLAGS = {
     "--sim-time-scale": "1.0",
     "--no-cuda-graph": "cuda graph on",
     "--no-compile": "compile on",
+    "--no-attention-kernel": "attention kernel on",
     "--trace-file": None,
     "--host": "127.0.0.1",
     "--port": "8000",

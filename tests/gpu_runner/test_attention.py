@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from gapless.gpu_runner import kernels
 from gapless.gpu_runner.attention import AttnMetadata, _decode, decode_attention, fused_decode
 
 BS = 16
@@ -34,6 +35,13 @@ def _dense(q, k_cache, v_cache, pages, ctx, scale) -> torch.Tensor:
     return torch.stack(out)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _kernel_built():
+    """The paged kernel builds wherever the suite runs (the compiled step needs a C++ compiler
+    too); only a machine without one would run attention through torch."""
+    assert kernels.library() is not None, "the paged decode kernel did not build"
+
+
 @pytest.mark.parametrize(("heads", "kv_heads"), [(9, 3), (4, 4), (8, 1)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_attention_equals_dense_attention(heads, kv_heads, dtype):
@@ -54,7 +62,68 @@ def test_decode_attention_equals_dense_attention(heads, kv_heads, dtype):
         "decode_attention": decode_attention(q, k_cache, v_cache, pages, ctx, scale, BS),
         "eager": _decode(q.unsqueeze(2), k_cache, v_cache, meta).squeeze(2),
         "fused": fused_decode(q, k_cache, v_cache, meta),
+        "kernel": kernels.paged_decode(q, k_cache, v_cache, pages, ctx, scale, BS),
     }
     for name, out in got.items():
         assert out.dtype == dtype and out.shape == q.shape, name
         torch.testing.assert_close(out.float(), want, atol=tol, rtol=tol, msg=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernel_writes_the_step_s_rows_before_attending(dtype):
+    q, k_cache, v_cache, pages, ctx, scale = _case(5, 9, 3, dtype, seed=11)
+    g = torch.Generator().manual_seed(12)
+    k = torch.randn(5, 3, 64, generator=g).to(dtype)
+    v = torch.randn(5, 3, 64, generator=g).to(dtype)
+    # each decode's own token: the last position of its context
+    last = ctx - 1
+    slots = pages.gather(1, (last // BS)[:, None])[:, 0] * BS + last % BS
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    want_k[slots], want_v[slots] = k, v
+    want = _dense(q, want_k, want_v, pages, ctx, scale)
+
+    got = kernels.paged_decode(q, k_cache, v_cache, pages, ctx, scale, BS, writes=(k, v, slots))
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+
+
+def test_without_a_compiler_attention_stays_on_torch(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("GAPLESS_CACHE_DIR", str(tmp_path))
+    kernels.library.cache_clear()
+    try:
+        assert not kernels.available(torch.float32)
+        assert "cpu attention kernel unavailable" in caplog.text
+        assert not list(tmp_path.rglob("*.so"))
+    finally:
+        kernels.library.cache_clear()  # the next caller builds (or finds) the real one
+
+
+@pytest.mark.parametrize("path", ["torch", "kernel"])
+def test_bench_decode_attention_of_a_step(benchmark, path):
+    """One batch-32 step's decode attention over the default model's 30 layers (3 KV heads of
+    64, ~150-token contexts in scattered blocks), each layer its own cache as in the runner, so
+    K and V come from memory rather than from the last call's cache lines; `make bench` times
+    torch's gather + SDPA against the paged kernel."""
+    g = torch.Generator().manual_seed(3)
+    num, pages_each, blocks = 32, 12, 1024
+    caches = [
+        (torch.randn(blocks * BS, 3, 64, generator=g), torch.randn(blocks * BS, 3, 64, generator=g))
+        for _ in range(30)
+    ]
+    pages = (torch.randperm(blocks - 1, generator=g)[: num * pages_each] + 1).view(num, -1)
+    ctx = torch.randint(130, 170, (num,), generator=g)
+    q = torch.randn(num, 9, 64, generator=g)
+
+    def step():
+        for k_cache, v_cache in caches:
+            if path == "kernel":
+                kernels.paged_decode(q, k_cache, v_cache, pages, ctx, 0.125, BS)
+            else:
+                decode_attention(q, k_cache, v_cache, pages, ctx, 0.125, BS)
+
+    benchmark(step)
+    want = decode_attention(q, *caches[0], pages, ctx, 0.125, BS)
+    got = kernels.paged_decode(q, *caches[0], pages, ctx, 0.125, BS)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

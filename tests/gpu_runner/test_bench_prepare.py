@@ -20,7 +20,7 @@ def steady(batch: int) -> tuple[PersistentBatch, TorchAttention, StepPlan]:
     max_blocks = MAX_MODEL_LEN // BLOCK
     rows = capture_sizes(batch)[-1]
     pb = PersistentBatch(batch, max_blocks, BLOCK, max(512, rows), "cpu")
-    attn = TorchAttention(rows, MAX_MODEL_LEN, BLOCK, 0.125)
+    attn = TorchAttention(rows, MAX_MODEL_LEN, BLOCK, 0.125, kernel=False)
     per_seq = -(-(CONTEXT + 1) // BLOCK)
     for slot in range(batch):
         pb.add(slot)

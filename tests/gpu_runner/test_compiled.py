@@ -24,9 +24,14 @@ def _count_compiled_runs(backend) -> list[int]:
     return sizes
 
 
-def test_compiled_greedy_equals_transformers(tiny_model_dir, reference):  # noqa: F811
+@pytest.mark.parametrize("kernel", [True, False], ids=["paged-kernel", "torch-attention"])
+def test_compiled_greedy_equals_transformers(tiny_model_dir, reference, kernel):  # noqa: F811
     prompts, want = reference
-    h = Harness(make_config(tiny_model_dir, compile=True, max_num_batched_tokens=32))
+    config = make_config(
+        tiny_model_dir, compile=True, max_num_batched_tokens=32, attention_kernel=kernel
+    )
+    h = Harness(config)
+    assert h.backend.attn.kernel == kernel
     sizes = _count_compiled_runs(h.backend)
     arrivals: dict = {}
     for i, p in enumerate(prompts):  # staggered: chunked prefills mixed with decodes, eagerly

@@ -7,6 +7,7 @@ import torch
 
 from gapless.core.common.messages import NewSlot, SamplingParams, StepPlan
 from gapless.core.common.model_files import ModelArch
+from gapless.gpu_runner import kernels
 from gapless.gpu_runner.attention import TorchAttention
 from gapless.gpu_runner.batch import (
     IDS,
@@ -58,7 +59,7 @@ def pair():
     return ref, ours.eval(), arch
 
 
-def _step(batch, model, kv, entries, seq, new=()):
+def _step(batch, model, kv, entries, seq, new=(), kernel=False):
     """entries: (slot, start, token ids or None for last_token, sample)."""
     plan = StepPlan(
         seq=seq,
@@ -90,7 +91,7 @@ def _step(batch, model, kv, entries, seq, new=()):
         batch.add(s)
     inp = batch.prepare(plan, pad=True)
     rows = inp.num_rows
-    meta = TorchAttention(8, 64 * BS, BS, 16**-0.5).build(
+    meta = TorchAttention(8, 64 * BS, BS, 16**-0.5, kernel).build(
         inp.layout, batch.column(SLOT_MAPPING, rows)
     )
     fed = batch.column(IDS, rows)
@@ -100,7 +101,10 @@ def _step(batch, model, kv, entries, seq, new=()):
         return model(ids, batch.column(POSITIONS, rows), kv, meta, logit_rows)
 
 
-def test_prefill_chunks_and_decodes_match_transformers(pair):
+@pytest.mark.parametrize("kernel", [False, True], ids=["torch", "kernel"])
+def test_prefill_chunks_and_decodes_match_transformers(pair, kernel):
+    if kernel and not kernels.available(torch.float32):
+        pytest.skip("no C++ compiler for the paged kernel")
     ref, model, arch = pair
     torch.manual_seed(1)
     a = torch.randint(0, 128, (13,)).tolist()
@@ -108,8 +112,8 @@ def test_prefill_chunks_and_decodes_match_transformers(pair):
     batch = PersistentBatch(4, 64, BS, 32, "cpu")
     kv = torch.zeros(2, 2, 80 * BS, 2, 16)
     # step 1: a's first chunk (7) alone; step 2: a's second chunk (6) with b's whole prompt
-    _step(batch, model, kv, [(0, 0, a[:7], False)], 1, new=[0])
-    got = _step(batch, model, kv, [(0, 7, a[7:], True), (1, 0, b, True)], 2, new=[1])
+    _step(batch, model, kv, [(0, 0, a[:7], False)], 1, new=[0], kernel=kernel)
+    got = _step(batch, model, kv, [(0, 7, a[7:], True), (1, 0, b, True)], 2, new=[1], kernel=kernel)
     with torch.no_grad():
         want_a = ref(torch.tensor([a])).logits[0, -1]
         want_b = ref(torch.tensor([b])).logits[0, -1]
@@ -117,12 +121,21 @@ def test_prefill_chunks_and_decodes_match_transformers(pair):
     torch.testing.assert_close(got[1], want_b, atol=1e-4, rtol=1e-4)
     # decodes fed from last_token on the device, batched with different context lengths
     batch.last_token[0], batch.last_token[1] = 5, 9
-    got = _step(batch, model, kv, [(0, 13, None, True), (1, 6, None, True)], 3)
+    got = _step(batch, model, kv, [(0, 13, None, True), (1, 6, None, True)], 3, kernel=kernel)
     with torch.no_grad():
         want_a = ref(torch.tensor([a + [5]])).logits[0, -1]
         want_b = ref(torch.tensor([b + [9]])).logits[0, -1]
     torch.testing.assert_close(got[0], want_a, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(got[1], want_b, atol=1e-4, rtol=1e-4)
+    # a decode in the same step as a new prompt: the mixed step's decode rows
+    c = torch.randint(0, 128, (5,)).tolist()
+    batch.last_token[0] = 7
+    got = _step(batch, model, kv, [(0, 14, None, True), (2, 0, c, True)], 4, new=[2], kernel=kernel)
+    with torch.no_grad():
+        want_a = ref(torch.tensor([a + [5, 7]])).logits[0, -1]
+        want_c = ref(torch.tensor([c])).logits[0, -1]
+    torch.testing.assert_close(got[0], want_a, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got[1], want_c, atol=1e-4, rtol=1e-4)
 
 
 def test_llama3_rope_scaling_matches_transformers():
