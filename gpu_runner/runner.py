@@ -23,8 +23,7 @@ from gapless.core.common.messages import (
     StepTiming,
 )
 from gapless.core.common.model_files import ModelArch, load_arch, load_tokenizer
-from gapless.gpu_runner import compiled
-from gapless.gpu_runner import kernels
+from gapless.gpu_runner import compiled, kernels
 from gapless.gpu_runner.attention import AttentionMeta, StepLayout, TorchAttention
 from gapless.gpu_runner.batch import (
     FED_IDS,
