@@ -264,7 +264,7 @@ _LIB.impl("paged_decode", _paged_decode, "CPU")
 
 @torch.library.register_fake("gapless::paged_decode")
 def _(q, k, v, k_cache, v_cache, slot_mapping, pages, ctx, scale, block_size):
-    return torch.empty_like(q)
+    return q.new_empty(q.shape)  # contiguous, as the kernel's output is whatever q's strides
 
 
 @write_kv.register_fake

@@ -11,8 +11,6 @@
 //   pages       [D, P] int64, ctx [D] int64 (1 <= ctx[d] <= P * bs)
 // Scores and softmax are float32 whatever the storage type (float32 or bfloat16).
 
-#include <omp.h>
-
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -60,7 +58,7 @@ void paged_decode(const typename S::T *q, const typename S::T *k, const typename
         std::vector<float> score(H * P * BS), qf(H * HD), acc(H * HD);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t d = 0; d < D; d++) {
-            const int64_t len = ctx[d];
+            const int64_t len = ctx[d] < P * BS ? ctx[d] : P * BS;  // never past its pages
             const T *qd = q + d * H * HD;
             for (int64_t i = 0; i < H * HD; i++) qf[i] = S::load(qd[i]) * scale;
             for (int64_t t0 = 0, p = 0; t0 < len; t0 += BS, p++) {
