@@ -88,6 +88,11 @@ class FlashinferAttention:
 
     def build(self, layout: StepLayout, slot_mapping: torch.Tensor) -> FlashinferMeta:
         indptr, indices, last = (torch.from_numpy(a) for a in layout.page_lists())  # host int32
+        # why the page list goes up here: plan() copies a host list into a graph's fixed buffer
+        # with a blocking copy, which waits for every step still queued on the stream; from
+        # pinned memory the copy is queued like the rest (the host allocator keeps the block
+        # until the copy has read it)
+        indices = indices.pin_memory().to(self.device, non_blocking=True)
         arch, size = self.arch, len(layout.num_tokens)
         # positional in the order both wrappers share across flashinfer versions
         shape = (arch.num_heads, arch.num_kv_heads, arch.head_dim, self.block_size)

@@ -23,29 +23,32 @@ def sim_config(model_path, **overrides):
     return EngineConfig(model=resolve_model(str(model_path)), **{**fields, **overrides})
 
 
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory, default_gguf) -> Path:
-    """A tiny random Llama as a Hugging Face directory, with SmolLM2's real tokenizer."""
+TINY_LLAMA = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
+
+
+def build_tiny_llama(out: Path, default_gguf: Path, **shape) -> Path:
+    """A random Llama in `out` as a Hugging Face directory, with SmolLM2's real tokenizer."""
     import torch
     import transformers
 
     from gapless.core.common.model_files import load_tokenizer, resolve_model
 
     info = resolve_model(str(default_gguf))
-    out = tmp_path_factory.mktemp("tiny-llama")
     torch.manual_seed(1234)
     cfg = transformers.LlamaConfig(
         vocab_size=info.vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         max_position_embeddings=2048,
         rope_theta=10000.0,
         tie_word_embeddings=True,
         bos_token_id=1,
         eos_token_id=2,
+        **{**TINY_LLAMA, **shape},
     )
     model = transformers.LlamaForCausalLM(cfg)
     with torch.no_grad():  # sharper logits than the default init, so greedy has clear winners
@@ -63,3 +66,9 @@ def tiny_model_dir(tmp_path_factory, default_gguf) -> Path:
         )
     )
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, default_gguf) -> Path:
+    """A tiny random Llama (head_dim 16) as a Hugging Face directory, with SmolLM2's tokenizer."""
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), default_gguf)

@@ -11,6 +11,7 @@ import torch
 
 from gapless.core.common.messages import SamplingParams
 from gapless.gpu_runner.runner import ModelRunner
+from tests.conftest import build_tiny_llama
 from tests.engine_harness import Harness, make_config
 from tests.gpu_runner.test_padding import Plans, forward_plan
 
@@ -21,14 +22,22 @@ gpu = pytest.mark.skipif(
 )
 
 BS = 16
+# SmolLM2-135M's attention geometry (head_dim 64, 9 query heads on 3 KV heads), two thin layers:
+# the kernels flashinfer builds here are the ones the default model runs
+SMOL_HEADS = dict(hidden_size=576, num_attention_heads=9, num_key_value_heads=3)
 PROMPTS = {0: list(range(3, 40)), 1: [11, 12, 13], 2: list(range(100, 120))}
 
 
-def _cuda(tiny_model_dir, **overrides):
+@pytest.fixture(scope="module")
+def cuda_model_dir(tmp_path_factory, default_gguf):
+    return build_tiny_llama(tmp_path_factory.mktemp("smol-heads"), default_gguf, **SMOL_HEADS)
+
+
+def _cuda(model_dir, **overrides):
     from gapless.gpu_runner.cuda import CudaBackend
 
     config = make_config(
-        tiny_model_dir, device="cuda", dtype="bfloat16", block_size=BS, max_num_seqs=8, **overrides
+        model_dir, device="cuda", dtype="bfloat16", block_size=BS, max_num_seqs=8, **overrides
     )
     return CudaBackend(config)
 
@@ -43,27 +52,30 @@ def _step(runner, plan) -> tuple[torch.Tensor, list[int]]:
 
 @pytest.mark.gpu
 @gpu
-def test_bf16_logits_and_greedy_match_cpu_fp32(tiny_model_dir):
-    cpu = ModelRunner(make_config(tiny_model_dir, block_size=BS, max_num_seqs=8))
-    cuda = _cuda(tiny_model_dir)
+def test_bf16_logits_and_greedy_match_cpu_fp32(cuda_model_dir):
+    cpu = ModelRunner(make_config(cuda_model_dir, block_size=BS, max_num_seqs=8))
+    cuda = _cuda(cuda_model_dir)
     cpu_plans, cuda_plans = Plans(BS), Plans(BS)
     want, want_ids = _step(cpu, cpu_plans.step(PROMPTS, []))
     got, got_ids = _step(cuda, cuda_plans.step(PROMPTS, []))
+    # why tolerances scale with the logits' spread: each logit is a 576-term bf16 dot product,
+    # whose rounding grows with the logit's size (~2 % of a spread of ~20 at the far tail)
+    scale = want.std().item()
     for _ in range(5):  # decodes fed the cpu's tokens, so a near tie cannot derail the rest
-        torch.testing.assert_close(got, want, atol=0.15, rtol=0.03)
+        torch.testing.assert_close(got, want, atol=0.04 * scale, rtol=0.03)
         top2 = want.topk(2, dim=-1).values
-        clear = (top2[:, 0] - top2[:, 1]) > 0.5
+        clear = (top2[:, 0] - top2[:, 1]) > 0.1 * scale
         pairs = zip(got_ids, want_ids, clear.tolist(), strict=True)
         assert all(g == w for g, w, c in pairs if c), "greedy differs where the winner is clear"
         carry = dict(zip(PROMPTS, want_ids, strict=True))
-        want, want_ids = _step(cpu, cpu_plans.step({}, [], carry))
-        got, got_ids = _step(cuda, cuda_plans.step({}, [], carry))
+        want, want_ids = _step(cpu, cpu_plans.step({}, list(carry), carry))
+        got, got_ids = _step(cuda, cuda_plans.step({}, list(carry), carry))
 
 
 @pytest.mark.gpu
 @gpu
-def test_graph_replay_equals_eager(tiny_model_dir):
-    cuda = _cuda(tiny_model_dir)
+def test_graph_replay_equals_eager(cuda_model_dir):
+    cuda = _cuda(cuda_model_dir)
     plans = Plans(BS)
     _step(cuda, plans.step(PROMPTS, []))
     with torch.inference_mode():
@@ -78,10 +90,10 @@ def test_graph_replay_equals_eager(tiny_model_dir):
 
 @pytest.mark.gpu
 @gpu
-def test_graphs_and_eager_give_the_same_tokens(tiny_model_dir):
+def test_graphs_and_eager_give_the_same_tokens(cuda_model_dir):
     tokens = []
     for graphs in (True, False):
-        cuda = _cuda(tiny_model_dir, cuda_graph=graphs)
+        cuda = _cuda(cuda_model_dir, cuda_graph=graphs)
         plans = Plans(BS)
         ids = [_step(cuda, plans.step(PROMPTS, []))[1]]
         ids += [_step(cuda, plans.step({}, list(PROMPTS)))[1] for _ in range(6)]
@@ -91,8 +103,8 @@ def test_graphs_and_eager_give_the_same_tokens(tiny_model_dir):
 
 @pytest.mark.gpu
 @gpu
-def test_decode_launch_has_no_host_sync(tiny_model_dir):
-    cuda = _cuda(tiny_model_dir)
+def test_decode_launch_has_no_host_sync(cuda_model_dir):
+    cuda = _cuda(cuda_model_dir)
     plans = Plans(BS)
     cuda.collect(cuda.launch(plans.step(PROMPTS, [])))
     for _ in range(2):
@@ -113,8 +125,8 @@ def test_decode_launch_has_no_host_sync(tiny_model_dir):
 
 @pytest.mark.gpu
 @gpu
-def test_engine_greedy_on_cuda_equals_transformers(tiny_model_dir):
-    ref = transformers.LlamaForCausalLM.from_pretrained(tiny_model_dir, torch_dtype=torch.float32)
+def test_engine_greedy_on_cuda_equals_transformers(cuda_model_dir):
+    ref = transformers.LlamaForCausalLM.from_pretrained(cuda_model_dir, torch_dtype=torch.float32)
     prompts = [list(range(5, 5 + n)) for n in (5, 37, 12)]
     want = []
     for p in prompts:
@@ -127,16 +139,16 @@ def test_engine_greedy_on_cuda_equals_transformers(tiny_model_dir):
                 pad_token_id=0,
             )
         want.append(out[0, len(p) :].tolist())
-    config = make_config(tiny_model_dir, block_size=BS, max_num_seqs=8)
-    h = Harness(config, backend=_cuda(tiny_model_dir))
+    config = make_config(cuda_model_dir, block_size=BS, max_num_seqs=8)
+    h = Harness(config, backend=_cuda(cuda_model_dir))
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     got = h.run({0: [(f"r{i}", p, params) for i, p in enumerate(prompts)]})
     assert [got[f"r{i}"] for i in range(len(prompts))] == want
 
 
-def test_missing_flashinfer_is_a_clear_error(tiny_model_dir, monkeypatch):
+def test_missing_flashinfer_is_a_clear_error(cuda_model_dir, monkeypatch):
     from gapless.gpu_runner.cuda import CudaBackend
 
     monkeypatch.setitem(sys.modules, "flashinfer", None)  # import raises ImportError
     with pytest.raises(RuntimeError, match=r"pip install 'gapless\[cuda\]'"):
-        CudaBackend(make_config(tiny_model_dir, device="cuda"))
+        CudaBackend(make_config(cuda_model_dir, device="cuda"))

@@ -51,9 +51,14 @@ class Plans:
         self.length: dict[int, int] = {}  # tokens in each slot's cache after the last plan
         self.blocks: dict[int, int] = {}
 
-    def step(self, prompts: dict[int, list[int]], decodes: list[int]) -> StepPlan:
+    def step(
+        self, prompts: dict[int, list[int]], decodes: list[int], given: dict[int, int] | None = None
+    ) -> StepPlan:
+        """`given`: decode slots fed this token rather than the one the runner sampled last."""
         self.seq += 1
-        entries = [(s, len(p), p) for s, p in prompts.items()] + [(s, 1, None) for s in decodes]
+        given = given or {}
+        entries = [(s, len(p), p) for s, p in prompts.items()]
+        entries += [(s, 1, [given[s]] if s in given else None) for s in decodes]
         plan = StepPlan(
             seq=self.seq,
             new_slots=[
