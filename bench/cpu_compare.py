@@ -112,12 +112,13 @@ def main(argv: list[str] | None = None) -> None:
     from gapless.core.common.model_cache import default_model_path
     from gapless.gpu_runner.runner import resolve_dtype, resolve_quantization
 
+    gguf = default_model_path()
     if args.format is None:  # what `gapless serve` serves here by default
-        dtype, quant = resolve_dtype("auto", "cpu"), resolve_quantization("auto", "auto", "cpu")
+        dtype = resolve_dtype("auto", "cpu")
+        quant = resolve_quantization("auto", "auto", "cpu", str(gguf))
         args.format = next(f for f, served in FORMATS.items() if served == (dtype, quant))
 
     args.out.mkdir(parents=True, exist_ok=True)
-    gguf = default_model_path()
     results: dict[str, dict] = {}
     started = time.perf_counter()
     print(f"gapless serve {' '.join(serve_args)}; {_load()}", flush=True)

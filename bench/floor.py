@@ -37,6 +37,8 @@ FORMATS = {
     "int4-fp32": ("float32", "int4"),
     # int8 x int8 products (fbgemm), rows of more than one; float32 activations around them
     "w8a8": ("float32", "w8a8"),
+    # int4 for steps of up to 16 rows, bfloat16 weights above
+    "int4-dual": ("bfloat16", "int4-dual"),
 }
 
 

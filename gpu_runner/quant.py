@@ -1,5 +1,6 @@
 """Quantized linear layers on cpu: weight-only int8 and int4 over torch's own kernels, and
-w8a8, int8 x int8 products through fbgemm (W8A8Linear).
+w8a8, int8 x int8 products through fbgemm (W8A8Linear); int4-dual, the --dtype weights for
+large steps beside an int4 copy for small ones (DualLinear).
 
 Decode at small batch reads every weight once a token, so its speed is the weights' bytes.
 `--quantization int8` keeps each output row as int8 with one scale (aten._weight_int8pack_mm);
@@ -52,6 +53,11 @@ DENSE_ROWS = 64
 # activations (fbgemm's reduce_range), cost the default model +11% perplexity against +0.40%
 # with 7-bit weights and 8-bit activations (`python -m gapless.bench.perplexity`).
 W8A8_TOP = 63
+# why 16: on an AMD EPYC with AVX-512 BF16 (2 cores) the default model's matmuls took, at
+# batch 1 / 2 / 4 / 8 / 16 / 32, 6.1 / 6.1 / 7.0 / 10.2 / 17.2 / 33.2 ms with int4 weights
+# against 17.6 / 14.1 / 14.2 / 15.4 / 18.1 / 28.6 ms with bfloat16 ones (`python -m
+# gapless.bench.floor --batch 1 2 4 8 16 32 --format int4 bf16`)
+SMALL_ROWS = 16
 QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -92,6 +98,21 @@ class Int4Linear(nn.Module):
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP, self.scales_zeros)
         y = y.view(*lead, self.scales_zeros.shape[1]).to(x.dtype)
         return y if self.bias is None else y + self.bias
+
+
+class DualLinear(nn.Module):
+    """A layer held twice: `dense` (the --dtype weights, F.linear) for steps of more than
+    SMALL_ROWS rows, `small` (a quantized copy of the same weights) for the others. Small
+    steps read a quarter of the bytes; large ones keep the dense matmul's speed."""
+
+    def __init__(self, dense: nn.Linear, small: nn.Module):
+        super().__init__()
+        self.dense = dense
+        self.small = small
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1]
+        return self.small(x) if rows <= SMALL_ROWS else self.dense(x)
 
 
 # W8A8Linear's packed weights, by handle. The compiler cannot trace fbgemm's packed object, so
@@ -244,9 +265,9 @@ def quantize_model(model: nn.Module, mode: str, model_path: str, arch: ModelArch
     """Swap the decoder's linear layers (and the output layer) for quantized ones, in place."""
     if mode == "none":
         return
-    assert mode in ("int8", "int4", "w8a8"), f"unknown quantization {mode!r}"
+    assert mode in ("int8", "int4", "w8a8", "int4-dual"), f"unknown quantization {mode!r}"
     path = Path(model_path)
-    exact = q4_1_blocks(path, arch) if mode == "int4" and path.is_file() else {}
+    exact = q4_1_blocks(path, arch) if mode.startswith("int4") and path.is_file() else {}
     for name, module in list(model.named_modules()):
         if not isinstance(module, nn.Linear) or name.rsplit(".", 1)[-1] not in QUANTIZED:
             continue
@@ -259,10 +280,21 @@ def quantize_model(model: nn.Module, mode: str, model_path: str, arch: ModelArch
         else:
             q, d, m = exact.get(name) or int4_groups(module.weight.detach())
             new = make_int4(q, d, m, bias)
+            if mode == "int4-dual":
+                new = DualLinear(module, new)
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent), attr, new)
     if mode == "w8a8":
         model.lm_head = make_w8a8(model.lm_head.weight.detach(), None)
         return
     q, scale = int8_rows(model.lm_head.weight.detach())
-    model.lm_head = Int8Linear(q, scale.to(KERNEL_DTYPE), None)
+    head = Int8Linear(q, scale.to(KERNEL_DTYPE), None)
+    model.lm_head = DualLinear(model.lm_head, head) if mode == "int4-dual" else head
+
+
+def holds_q4_1(path: str | Path) -> bool:
+    """Whether a model file is a GGUF with Q4_1 tensors (which int4 holds exactly)."""
+    path = Path(path)
+    if not path.is_file() or path.suffix != ".gguf":
+        return False
+    return any(t.qtype == GGMLQuantizationType.Q4_1 for t in read_gguf(path).tensors.values())

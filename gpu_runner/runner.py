@@ -43,7 +43,7 @@ from gapless.gpu_runner.grammar import GrammarRows
 from gapless.gpu_runner.graph import DecodeGraphs, capture_sizes
 from gapless.gpu_runner.logprobs import row_logprobs
 from gapless.gpu_runner.model import LlamaModel, rope_inv_freq
-from gapless.gpu_runner.quant import quantize_model
+from gapless.gpu_runner.quant import SMALL_ROWS, holds_q4_1, quantize_model
 from gapless.gpu_runner.sampler import SampleOutput, SamplerState
 from gapless.gpu_runner.weights import load_weights
 
@@ -65,9 +65,12 @@ def resolve_dtype(dtype: str, device: str) -> str:
     return "bfloat16" if device != "cpu" or BF16_CPU_FLAGS & cpu_flags() else "float32"
 
 
-def resolve_quantization(quantization: str, dtype: str, device: str) -> str:
+def resolve_quantization(
+    quantization: str, dtype: str, device: str, model_path: str | None = None
+) -> str:
     """--quantization auto, on a cpu where --dtype auto gives float32: w8a8 where torch has
-    fbgemm's int8 kernels (x86), else int8; none elsewhere (an explicit --dtype float32 keeps
+    fbgemm's int8 kernels (x86), else int8; where it gives bfloat16: int4-dual for a Q4_1
+    GGUF, whose weights int4 holds exactly; none elsewhere (an explicit --dtype float32 keeps
     float32 weights: the exact path).
 
     why: a float32 weight is 4 bytes read a token. On an AVX2-only AMD EPYC (2 cores), served,
@@ -77,13 +80,17 @@ def resolve_quantization(quantization: str, dtype: str, device: str) -> str:
     served the 32 streams at 121.9 against int8's 89.3 tok/s in one sitting, and one stream
     as int8 does (its single rows take int8's kernel); perplexity +0.40% (w8a8) and +0.53%
     (int8) (bench/RESULTS.md). Where bfloat16 is native, bfloat16 weights served a batch of
-    32 1.5x faster than int8 or int4 (bench/RESULTS.md, "CPU, the default model")."""
+    32 1.5x faster than int8 or int4 (bench/RESULTS.md, "CPU, the default model"), and on an
+    AVX-512 BF16 EPYC (2 cores) bfloat16 served 32 streams at 472.8 tok/s against int4's
+    356.4, but one stream at 45.0 against 89.4 (`gapless bench --launch --workload 128:128
+    --num-requests 32 -- --quantization Q`, then 128:256 and 1): int4-dual takes each."""
     if quantization != "auto":
         return quantization
-    native = resolve_dtype("auto", device) != "float32"
-    if device != "cpu" or dtype != "auto" or native:
+    if device != "cpu" or dtype != "auto":
         return "none"
-    return "w8a8" if has_fbgemm() else "int8"
+    if resolve_dtype("auto", device) == "float32":
+        return "w8a8" if has_fbgemm() else "int8"
+    return "int4-dual" if model_path and holds_q4_1(model_path) else "none"
 
 
 def has_fbgemm() -> bool:
@@ -140,7 +147,7 @@ class ModelRunner:
         model.load(load_weights(config.model, arch, self.dtype))
         model.inv_freq = rope_inv_freq(arch).to(self.device)  # buffers made on meta hold garbage
         self.quantization = resolve_quantization(
-            config.quantization, config.dtype, self.device.type
+            config.quantization, config.dtype, self.device.type, config.model.path
         )
         if self.quantization != "none":
             assert self.device.type == "cpu", "--quantization runs on the cpu device"
@@ -200,6 +207,8 @@ class ModelRunner:
         self.last_seq = 0
         if self.compiled:
             sizes = [s for s in compiled.WARM_SIZES if s in self.graphs.sizes]
+            if self.quantization == "int4-dual":  # why: past SMALL_ROWS is a third compilation
+                sizes += [s for s in self.graphs.sizes if s > SMALL_ROWS][:1]
             try:
                 compiled.warm_up(self.prime_decode, sizes)
             except Exception as e:  # why: no C++ compiler (a slim image) must not stop serving

@@ -11,7 +11,7 @@ import msgspec
 Device = Literal["cpu", "sim", "cuda"]
 DType = Literal["auto", "bfloat16", "float32", "float16"]
 CpuWait = Literal["short", "passive", "spin"]
-Quantization = Literal["auto", "none", "int8", "int4", "w8a8"]
+Quantization = Literal["auto", "none", "int8", "int4", "w8a8", "int4-dual"]
 SchedulingPolicy = Literal["fair", "priority", "fcfs"]
 LogLevel = Literal["debug", "info", "warning", "error"]
 LogFormat = Literal["text", "json"]
@@ -97,9 +97,11 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             description="quantized linear layers on cpu: int8 = weight-only, one scale per "
             "output row; int4 = weight-only, groups of 32 with a scale and an offset, which "
             "holds a Q4_1 GGUF's weights exactly; w8a8 = int8 x int8 products (fbgemm; x86), "
-            "the activations quantized per row at each call; none = --dtype weights; auto: "
-            "w8a8 (int8 without fbgemm) on a cpu where --dtype auto serves float32 (no "
-            "bfloat16 instructions), else none"
+            "the activations quantized per row at each call; int4-dual = int4 for steps of up "
+            "to 16 rows and the --dtype weights above (both held); none = --dtype weights; "
+            "auto: w8a8 (int8 without fbgemm) on a cpu where --dtype auto serves float32 (no "
+            "bfloat16 instructions), int4-dual where it serves bfloat16 and the file is a Q4_1 "
+            "GGUF, else none"
         ),
     ] = "auto"
     # scheduling

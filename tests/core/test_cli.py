@@ -33,7 +33,7 @@ FLAGS = {
     "--max-model-len": "none",
     "--device {cpu,sim,cuda}": "cpu",
     "--dtype {auto,bfloat16,float32,float16}": "auto",
-    "--quantization {auto,none,int8,int4,w8a8}": "auto",
+    "--quantization {auto,none,int8,int4,w8a8,int4-dual}": "auto",
     "--max-num-seqs": "64",
     "--max-num-batched-tokens": "512",
     "--block-size": "16",

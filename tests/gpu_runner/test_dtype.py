@@ -1,5 +1,6 @@
 """--dtype auto: bfloat16 only where the CPU computes it natively; --quantization auto: w8a8
-(or int8, without fbgemm) where --dtype auto would serve float32 weights."""
+(or int8, without fbgemm) where --dtype auto would serve float32 weights, int4-dual where it
+serves bfloat16 from a Q4_1 GGUF."""
 
 from __future__ import annotations
 
@@ -47,6 +48,19 @@ def test_auto_quantization_is_w8a8_only_where_auto_dtype_is_float32_on_cpu(
     assert runner.resolve_quantization("auto", dtype, device) == want
     assert runner.resolve_quantization("int4", "auto", "cpu") == "int4", "a format asked for"
     assert runner.resolve_quantization("none", "auto", "cpu") == "none"
+
+
+@pytest.mark.slow
+def test_auto_quantization_is_int4_dual_for_a_q4_1_gguf_where_bfloat16_is_native(
+    monkeypatch, default_gguf, tiny_model_dir
+) -> None:
+    monkeypatch.setattr(runner, "cpu_flags", lambda: {"avx512f", "avx512_bf16"})
+    assert runner.resolve_quantization("auto", "auto", "cpu", str(default_gguf)) == "int4-dual"
+    # safetensors: int4 would round float weights, so the --dtype weights stay
+    assert runner.resolve_quantization("auto", "auto", "cpu", str(tiny_model_dir)) == "none"
+    assert runner.resolve_quantization("auto", "bfloat16", "cpu", str(default_gguf)) == "none"
+    monkeypatch.setattr(runner, "cpu_flags", lambda: {"avx2", "fma"})
+    assert runner.resolve_quantization("auto", "auto", "cpu", str(default_gguf)) == "w8a8"
 
 
 def test_auto_quantization_is_int8_where_torch_has_no_fbgemm(monkeypatch) -> None:
