@@ -46,16 +46,20 @@ def linear_layers(model: nn.Module) -> list[nn.Module]:
     """The model's matmul modules in the order a step runs them."""
     from torch import nn
 
-    from gapless.gpu_runner.quant import Int4Linear, Int8Linear, W8A8Linear
+    from gapless.gpu_runner.quant import DualLinear, Int4Linear, Int8Linear, W8A8Linear
 
-    kinds = (nn.Linear, Int8Linear, Int4Linear, W8A8Linear)
+    kinds = (nn.Linear, Int8Linear, Int4Linear, W8A8Linear, DualLinear)
     inner = {id(m.one_row) for m in model.modules() if isinstance(m, W8A8Linear)}
+    # a DualLinear runs one of its two layers, by the step's rows
+    inner |= {id(c) for m in model.modules() if isinstance(m, DualLinear) for c in m.children()}
     return [m for m in model.modules() if isinstance(m, kinds) and id(m) not in inner]
 
 
 def in_features(module: nn.Module) -> int:
-    from gapless.gpu_runner.quant import Int4Linear, W8A8Linear
+    from gapless.gpu_runner.quant import DualLinear, Int4Linear, W8A8Linear
 
+    if isinstance(module, DualLinear):
+        return in_features(module.dense)
     if isinstance(module, Int4Linear):
         return module.packed.shape[1] * 2
     if isinstance(module, W8A8Linear):

@@ -7,7 +7,7 @@ import torch
 
 from gapless.bench.floor import FORMATS, build, floor_step, linear_layers
 from gapless.core.common.model_files import load_arch, resolve_model
-from gapless.gpu_runner.quant import Int4Linear, Int8Linear, W8A8Linear
+from gapless.gpu_runner.quant import DualLinear, Int4Linear, Int8Linear, W8A8Linear
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
@@ -16,7 +16,7 @@ def test_floor_runs_every_linear_layer_of_the_model(tiny_model_dir, fmt: str) ->
     model = build(arch, fmt)
     layers = linear_layers(model)
     assert len(layers) == 7 * arch.num_layers + 1  # q k v o gate up down per layer, output
-    kinds = {"int8": Int8Linear, "int4": Int4Linear, "w8a8": W8A8Linear}
+    kinds = {"int8": Int8Linear, "int4": Int4Linear, "w8a8": W8A8Linear, "int4-dual": DualLinear}
     kind = kinds.get(FORMATS[fmt][1], torch.nn.Linear)
     assert all(isinstance(m, kind) for m in layers[:-1])
     times = floor_step(model, 4, getattr(torch, FORMATS[fmt][0]), repeats=3)
