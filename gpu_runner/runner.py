@@ -45,6 +45,7 @@ from gapless.gpu_runner.logprobs import row_logprobs
 from gapless.gpu_runner.model import LlamaModel, rope_inv_freq
 from gapless.gpu_runner.quant import SMALL_ROWS, holds_q4_1, quantize_model
 from gapless.gpu_runner.sampler import SampleOutput, SamplerState
+from gapless.gpu_runner.threads import BusyCores
 from gapless.gpu_runner.weights import load_weights
 
 log = logging.getLogger("gapless.gpu_runner")
@@ -139,6 +140,8 @@ class ModelRunner:
         self.use_graphs = config.cuda_graph if use_graphs is None else use_graphs
         if self.device.type == "cpu":
             torch.set_num_threads(config.threads)
+        self.threads = config.threads  # what torch runs with now (cpu)
+        self.busy_cores = BusyCores()
         arch = load_arch(config.model)
         self.arch = arch
         with torch.device("meta"):
@@ -302,10 +305,20 @@ class ModelRunner:
         """[B_s + P, vocab] float32 logits of the sampling entries in entry order, then of the
         P prompt rows scored for prompt logprobs."""
         self.batch.upload(inp)
+        if self.device.type == "cpu" and self.config.threads > 1:
+            self._size_threads(inp.num_rows)
         num_logits = inp.num_sample + inp.num_scored
         if inp.padded:
             return self.graphs.run(inp.num_rows, meta)[:num_logits]
         return self.forward(inp.num_rows, meta, num_logits)
+
+    def _size_threads(self, rows: int) -> None:
+        """One thread for a one-row step while other programs keep the cores busy."""
+        want = 1 if rows == 1 and self.busy_cores() else self.config.threads
+        if want != self.threads:
+            log.debug("cpu threads: %d (%s)", want, "cores busy" if want == 1 else "cores free")
+            torch.set_num_threads(want)
+            self.threads = want
 
     def score_prompt(self, inp: StepInputs, logits: torch.Tensor) -> list[PromptLogprobs]:
         """Prompt logprobs of the scored rows (logits [P, V]), one PromptLogprobs per run of

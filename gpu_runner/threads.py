@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 # the policy's environment for GNU OpenMP (torch's cpu builds) and Intel's, which reads
 # KMP_BLOCKTIME instead; a variable the operator set is left alone
@@ -30,3 +31,47 @@ def set_wait_policy(policy: str) -> bool:
     for name, value in WAIT_ENV[policy].items():
         os.environ.setdefault(name, value)
     return True
+
+
+class BusyCores:
+    """Whether other programs keep this machine's cores busy, for one-row steps.
+
+    why: one stream on two threads kept 25% of its quiet speed beside two `nice -n 19` busy
+    loops, on one thread 95%, and one thread costs ~10% when the cores are idle (AVX-512 EPYC,
+    2 cores; bench/RESULTS.md, "One stream under contention"). A step with one thread has no
+    barrier for a parked thread to hold up.
+
+    At most every `period_s`, the machine's busy CPU time since the last look (/proc/stat)
+    less this process's own: busy when the rest used more than `threshold` of a core. (Not
+    /proc/loadavg's count of runnable threads: it read 2 on an idle machine, the reader one.)
+    """
+
+    def __init__(
+        self, period_s: float = 0.5, threshold: float = 0.5, path: str = "/proc/stat"
+    ) -> None:
+        self.period_s, self.threshold, self.path = period_s, threshold, path
+        self.tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        self.busy = False
+        self._last: tuple[float, float, float] | None = None  # (wall, machine busy s, own s)
+
+    def _machine_busy_s(self) -> float:
+        with open(self.path) as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle, iowait
+        return (sum(fields[:8]) - idle) / self.tick  # user .. steal
+
+    def __call__(self) -> bool:
+        now = time.monotonic()
+        if self._last is not None and now - self._last[0] < self.period_s:
+            return self.busy
+        try:
+            machine = self._machine_busy_s()
+        except (OSError, ValueError, IndexError):
+            return False
+        own = time.process_time()
+        if self._last is not None:
+            wall, machine0, own0 = self._last
+            others = (machine - machine0) - (own - own0)
+            self.busy = others / (now - wall) > self.threshold
+        self._last = (now, machine, own)
+        return self.busy
