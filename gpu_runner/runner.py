@@ -140,7 +140,6 @@ class ModelRunner:
         self.use_graphs = config.cuda_graph if use_graphs is None else use_graphs
         if self.device.type == "cpu":
             torch.set_num_threads(config.threads)
-        self.threads = config.threads  # what torch runs with now (cpu)
         self.busy_cores = BusyCores()
         arch = load_arch(config.model)
         self.arch = arch
@@ -315,10 +314,9 @@ class ModelRunner:
     def _size_threads(self, rows: int) -> None:
         """One thread for a one-row step while other programs keep the cores busy."""
         want = 1 if rows == 1 and self.busy_cores() else self.config.threads
-        if want != self.threads:
+        if want != torch.get_num_threads():
             log.debug("cpu threads: %d (%s)", want, "cores busy" if want == 1 else "cores free")
             torch.set_num_threads(want)
-            self.threads = want
 
     def score_prompt(self, inp: StepInputs, logits: torch.Tensor) -> list[PromptLogprobs]:
         """Prompt logprobs of the scored rows (logits [P, V]), one PromptLogprobs per run of

@@ -5,6 +5,9 @@ idle team member spins for a while before it sleeps, which is fastest on an idle
 collapse on a busy one: the spinning threads burn the slices of the one thread the others wait
 for at the next barrier. The policy is read once, when the OpenMP runtime loads with torch, so
 it goes into the environment before the runner imports torch.
+
+BusyCores tells the runner when other programs keep the cores busy, so a one-row step can
+take one thread (how many threads run, unlike how they wait, can change at any time).
 """
 
 from __future__ import annotations

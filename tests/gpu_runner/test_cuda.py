@@ -146,9 +146,9 @@ def test_engine_greedy_on_cuda_equals_transformers(cuda_model_dir):
     assert [got[f"r{i}"] for i in range(len(prompts))] == want
 
 
-def test_missing_flashinfer_is_a_clear_error(cuda_model_dir, monkeypatch):
+def test_missing_flashinfer_is_a_clear_error(tiny_model_dir, monkeypatch):
     from gapless.gpu_runner.cuda import CudaBackend
 
     monkeypatch.setitem(sys.modules, "flashinfer", None)  # import raises ImportError
     with pytest.raises(RuntimeError, match=r"pip install 'gapless\[cuda\]'"):
-        CudaBackend(make_config(cuda_model_dir, device="cuda"))
+        CudaBackend(make_config(tiny_model_dir, device="cuda"))

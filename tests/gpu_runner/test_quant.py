@@ -120,7 +120,7 @@ def test_w8a8_compiled_matches_eager() -> None:
         assert torch.equal(step(layer, x), F.silu(layer(x)))
 
 
-def _dual(gen: torch.Generator) -> DualLinear:
+def _dual() -> DualLinear:
     dense = torch.nn.Linear(64, 96, dtype=torch.bfloat16)
     small = make_int4(*int4_groups(dense.weight.detach()), dense.bias.detach())
     return DualLinear(dense, small)
@@ -128,7 +128,7 @@ def _dual(gen: torch.Generator) -> DualLinear:
 
 def test_dual_linear_takes_the_small_layer_up_to_small_rows_and_the_dense_one_above() -> None:
     gen = torch.Generator().manual_seed(6)
-    layer = _dual(gen)
+    layer = _dual()
     for rows in (1, SMALL_ROWS, SMALL_ROWS + 1, 3 * SMALL_ROWS):
         x = torch.randn(rows, 64, generator=gen).to(torch.bfloat16)
         want = layer.small(x) if rows <= SMALL_ROWS else F.linear(x, layer.dense.weight,
@@ -140,7 +140,7 @@ def test_dual_linear_takes_the_small_layer_up_to_small_rows_and_the_dense_one_ab
 
 def test_dual_linear_compiled_matches_eager_on_both_sides() -> None:
     gen = torch.Generator().manual_seed(7)
-    layer = _dual(gen)
+    layer = _dual()
     step = torch.compile(lambda m, x: F.silu(m(x)), dynamic=True, fullgraph=True)
     for rows in (1, 3, SMALL_ROWS, SMALL_ROWS + 1, 40):
         x = torch.randn(rows, 64, generator=gen).to(torch.bfloat16)
