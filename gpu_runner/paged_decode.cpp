@@ -10,11 +10,27 @@
 //                                  pages[d, t / bs] * bs + t % bs
 //   pages       [D, P] int64, ctx [D] int64 (1 <= ctx[d] <= P * bs)
 // Scores and softmax are float32 whatever the storage type (float32 or bfloat16).
+//
+// Where the compiler targets AVX-512 with BF16 dot products, bfloat16 caches of head size 64
+// or 128 take paged_decode_bf16_avx512 below: a page's rows are read from memory once for all
+// heads, sixteen tokens at a time; q.k by vdpbf16ps (bf16 products are exact in float32), the
+// sixteen dot products summed across lanes together; softmax with a vectorized exp; the
+// weighted sum of V in float32. The next page is prefetched a slice per head, spread over the
+// work. The portable loop leaves all this to the compiler, which reduces each dot product on
+// its own, calls the scalar exp per score and waits on every page it reads: at 30 layers of 32
+// decodes of 130-170 tokens in scattered blocks (test_bench_decode_attention_of_a_step, bf16,
+// 2 threads, AVX-512 EPYC) it took 17.7 ms, this path 3.7; prefetching the whole next page in
+// one burst instead stalled on the loads (7.4 ms), and without prefetch 8.5 ms.
 
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define GAPLESS_BF16_AVX512 1
+#endif
 
 namespace {
 
@@ -40,6 +56,169 @@ struct BF16 {
     }
 };
 
+#ifdef GAPLESS_BF16_AVX512
+
+// e^x for x <= 0 (scores less their maximum): 2^n * e^r with |r| <= ln2 / 2, r's exponential
+// by its Taylor series to degree 7 (error under 1e-8 relative to e^r)
+inline __m512 exp_nonpositive(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);  // ln2's high bits
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);       // and the rest
+    __m512 p = _mm512_set1_ps(1.f / 5040);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 720));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+
+// lane j = the sum of v[j]'s sixteen lanes: halves, quarters, then pairs within each quarter
+// are added across vectors, which leaves the sums in the lane order undone by the last permute
+inline __m512 sum16(const __m512 *v) {
+    __m512 a[8], b[4], c[2];
+    for (int j = 0; j < 8; j++)
+        a[j] = _mm512_add_ps(_mm512_shuffle_f32x4(v[j], v[j + 8], 0x44),
+                             _mm512_shuffle_f32x4(v[j], v[j + 8], 0xee));
+    for (int j = 0; j < 4; j++)
+        b[j] = _mm512_add_ps(_mm512_shuffle_f32x4(a[j], a[j + 4], 0x88),
+                             _mm512_shuffle_f32x4(a[j], a[j + 4], 0xdd));
+    for (int j = 0; j < 2; j++)
+        c[j] = _mm512_add_ps(_mm512_unpacklo_ps(b[j], b[j + 2]), _mm512_unpackhi_ps(b[j], b[j + 2]));
+    const __m512d lo = _mm512_unpacklo_pd(_mm512_castps_pd(c[0]), _mm512_castps_pd(c[1]));
+    const __m512d hi = _mm512_unpackhi_pd(_mm512_castps_pd(c[0]), _mm512_castps_pd(c[1]));
+    const __m512 d = _mm512_add_ps(_mm512_castpd_ps(lo), _mm512_castpd_ps(hi));
+    // d's lane i holds the sum of v[order[i]]; the order is its own inverse
+    const __m512i order = _mm512_setr_epi32(0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15);
+    return _mm512_permutexvar_ps(order, d);
+}
+
+// part `part` of `parts` of a page's cache lines on their way to L1: a page ahead is fetched a
+// slice per head, so the loads spread over the work instead of stalling in one burst
+inline void prefetch_part(const uint16_t *rows, int64_t bytes, int64_t part, int64_t parts) {
+    const char *at = reinterpret_cast<const char *>(rows);
+    const int64_t lines = bytes / 64, per = (lines + parts - 1) / parts;
+    const int64_t end = (part + 1) * per < lines ? (part + 1) * per : lines;
+    for (int64_t i = part * per; i < end; i++) _mm_prefetch(at + 64 * i, _MM_HINT_T0);
+}
+
+inline __mmask16 first_lanes(int64_t n) { return n < 16 ? __mmask16((1u << n) - 1) : 0xffff; }
+
+// one sequence's attention, every head. A page's rows come from memory once: all H heads'
+// scores (then weighted sums) are taken over sixteen tokens while they are in L1. score holds
+// H * len floats, acc H * HD.
+template <int HD>
+void attend_bf16_avx512(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
+                        const int64_t *pages, int64_t len, uint16_t *out, int64_t KVH, int64_t G,
+                        int64_t BS, float scale, float *score, float *acc) {
+    constexpr int QC = HD / 32, VC = HD / 16;  // bf16 vectors of a head; float vectors
+    const int64_t row = KVH * HD, H = KVH * G, page_bytes = BS * row * 2;
+    const int64_t num_pages = (len + BS - 1) / BS;
+    const __m512 scale_v = _mm512_set1_ps(scale);
+    for (int64_t p = 0, t0 = 0; p < num_pages; p++, t0 += BS) {
+        const uint16_t *page = k_cache + pages[p] * BS * row;
+        const uint16_t *ahead = p + 1 < num_pages ? k_cache + pages[p + 1] * BS * row : nullptr;
+        const int64_t n = len - t0 < BS ? len - t0 : BS;
+        for (int64_t u = 0; u < n; u += 16) {
+            const int m = n - u < 16 ? int(n - u) : 16;
+            for (int64_t hg = 0; hg < H; hg++) {
+                if (ahead && u == 0) prefetch_part(ahead, page_bytes, hg, H);
+                const uint16_t *kr = page + u * row + (hg / G) * HD;
+                __m512bh qv[QC];
+                for (int c = 0; c < QC; c++)
+                    qv[c] = (__m512bh)_mm512_loadu_si512(q + hg * HD + 32 * c);
+                __m512 dots[16];
+#pragma GCC unroll 16
+                for (int i = 0; i < 16; i++) {
+                    dots[i] = _mm512_setzero_ps();
+                    if (i < m)
+                        for (int c = 0; c < QC; c++)
+                            dots[i] = _mm512_dpbf16_ps(
+                                dots[i], qv[c], (__m512bh)_mm512_loadu_si512(kr + i * row + 32 * c));
+                }
+                _mm512_mask_storeu_ps(score + hg * len + t0 + u, first_lanes(m),
+                                      _mm512_mul_ps(sum16(dots), scale_v));
+            }
+        }
+    }
+    for (int64_t hg = 0; hg < H; hg++) {
+        float *s = score + hg * len;
+        __m512 top = _mm512_set1_ps(-INFINITY);
+        for (int64_t t = 0; t < len; t += 16) {
+            const __mmask16 keep = first_lanes(len - t);
+            top = _mm512_mask_max_ps(top, keep, top, _mm512_maskz_loadu_ps(keep, s + t));
+        }
+        const __m512 top_v = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+        __m512 sum = _mm512_setzero_ps();
+        for (int64_t t = 0; t < len; t += 16) {
+            const __mmask16 keep = first_lanes(len - t);
+            const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(keep, s + t), top_v));
+            sum = _mm512_mask_add_ps(sum, keep, sum, e);
+            _mm512_mask_storeu_ps(s + t, keep, e);
+        }
+        const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
+        for (int64_t t = 0; t < len; t += 16) {
+            const __mmask16 keep = first_lanes(len - t);
+            _mm512_mask_storeu_ps(s + t, keep, _mm512_mul_ps(_mm512_maskz_loadu_ps(keep, s + t), inv));
+        }
+    }
+    std::memset(acc, 0, sizeof(float) * H * HD);
+    for (int64_t p = 0, t0 = 0; p < num_pages; p++, t0 += BS) {
+        const uint16_t *page = v_cache + pages[p] * BS * row;
+        const uint16_t *ahead = p + 1 < num_pages ? v_cache + pages[p + 1] * BS * row : nullptr;
+        const int64_t n = len - t0 < BS ? len - t0 : BS;
+        for (int64_t u = 0; u < n; u += 16) {
+            const int64_t m = n - u < 16 ? n - u : 16;
+            for (int64_t hg = 0; hg < H; hg++) {
+                if (ahead && u == 0) prefetch_part(ahead, page_bytes, hg, H);
+                const uint16_t *vr = page + u * row + (hg / G) * HD;
+                const float *w = score + hg * len + t0 + u;
+                __m512 a[VC];
+                for (int c = 0; c < VC; c++) a[c] = _mm512_loadu_ps(acc + hg * HD + 16 * c);
+                for (int64_t i = 0; i < m; i++, vr += row) {
+                    const __m512 wi = _mm512_set1_ps(w[i]);
+                    for (int c = 0; c < VC; c++) {
+                        const __m256i v16 = _mm256_loadu_si256((const __m256i *)(vr + 16 * c));
+                        a[c] = _mm512_fmadd_ps(wi, _mm512_cvtpbh_ps((__m256bh)v16), a[c]);
+                    }
+                }
+                for (int c = 0; c < VC; c++) _mm512_storeu_ps(acc + hg * HD + 16 * c, a[c]);
+            }
+        }
+    }
+    for (int64_t hg = 0; hg < H; hg++)
+        for (int c = 0; c < VC; c++)
+            _mm256_storeu_si256((__m256i *)(out + hg * HD + 16 * c),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(acc + hg * HD + 16 * c)));
+}
+
+// false where this head size has no vector path (the portable loop runs instead)
+bool paged_decode_bf16_avx512(const uint16_t *q, const uint16_t *k_cache,
+                              const uint16_t *v_cache, const int64_t *pages, const int64_t *ctx,
+                              uint16_t *out, int64_t D, int64_t P, int64_t KVH, int64_t G,
+                              int64_t HD, int64_t BS, float scale, int threads) {
+    if (HD != 64 && HD != 128) return false;
+    const int64_t H = KVH * G;
+#pragma omp parallel num_threads(threads) if (threads > 1 && D > 1)
+    {
+        std::vector<float> score(H * P * BS), acc(H * HD);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t d = 0; d < D; d++) {
+            const int64_t len = ctx[d] < P * BS ? ctx[d] : P * BS;
+            (HD == 64 ? attend_bf16_avx512<64> : attend_bf16_avx512<128>)(
+                q + d * H * HD, k_cache, v_cache, pages + d * P, len, out + d * H * HD, KVH, G,
+                BS, scale, score.data(), acc.data());
+        }
+    }
+    return true;
+}
+
+#endif  // GAPLESS_BF16_AVX512
+
 template <typename S>
 void paged_decode(const typename S::T *q, const typename S::T *k, const typename S::T *v,
                   const int64_t *slots, int64_t num_writes, typename S::T *k_cache,
@@ -52,6 +231,13 @@ void paged_decode(const typename S::T *q, const typename S::T *k, const typename
         std::memcpy(k_cache + slots[i] * row, k + i * row, sizeof(T) * row);
         std::memcpy(v_cache + slots[i] * row, v + i * row, sizeof(T) * row);
     }
+#ifdef GAPLESS_BF16_AVX512
+    if constexpr (sizeof(T) == 2) {
+        if (paged_decode_bf16_avx512(q, k_cache, v_cache, pages, ctx, out, D, P, KVH, G, HD, BS,
+                                     scale, threads))
+            return;
+    }
+#endif
     const int64_t H = KVH * G;
 #pragma omp parallel num_threads(threads) if (threads > 1 && D > 1)
     {
