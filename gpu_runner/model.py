@@ -50,6 +50,33 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
+# why fused: one matmul over the concatenated rows reads the same weights in fewer, larger
+# calls; at the default model's shapes (30 layers, AVX-512 EPYC, 2 threads) q, k, v, gate and
+# up took 3.30 ms a step as five int4 calls at one row against 2.2 as two, and 16.1 against
+# 14.5 ms as bf16 F.linear at 32 rows. Checkpoints keep the separate Hugging Face names;
+# fuse_weights concatenates them on load.
+FUSED = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+}
+
+
+def fuse_weights(named: dict, cat: Callable = torch.cat, suffixes=(".weight", ".bias")) -> dict:
+    """The same entries with each layer's FUSED parts joined by cat (the parts' values in
+    order -> the fused value); keys are a module's name and one of `suffixes` ("" for bare
+    module names)."""
+    out = dict(named)
+    for fused, parts in FUSED.items():
+        for suffix in suffixes:
+            tail = parts[0] + suffix
+            for key in [k for k in out if k.endswith(tail)]:
+                prefix = key[: -len(tail)]
+                names = [prefix + part + suffix for part in parts]
+                if all(n in out for n in names):
+                    out[prefix + fused + suffix] = cat([out.pop(n) for n in names])
+    return out
+
+
 class Attention(nn.Module):
     def __init__(self, arch: ModelArch) -> None:
         super().__init__()
@@ -58,17 +85,16 @@ class Attention(nn.Module):
             arch.num_kv_heads,
             arch.head_dim,
         )
-        bias = arch.attention_bias
-        self.q_proj = nn.Linear(arch.hidden_size, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(arch.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(arch.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.sizes = [self.num_heads * self.head_dim] + [self.num_kv_heads * self.head_dim] * 2
+        self.qkv_proj = nn.Linear(arch.hidden_size, sum(self.sizes), bias=arch.attention_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, arch.hidden_size, bias=False)
 
     def forward(self, x, cos, sin, kv: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
         t = x.shape[0]
-        q = rotate(self.q_proj(x).view(t, self.num_heads, self.head_dim), cos, sin)
-        k = rotate(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim), cos, sin)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        q = rotate(q.view(t, self.num_heads, self.head_dim), cos, sin)
+        k = rotate(k.view(t, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         o = meta.attend(q, k, v, kv[0], kv[1])
         return self.o_proj(o.reshape(t, -1))
 
@@ -76,12 +102,13 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, arch: ModelArch) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(arch.hidden_size, arch.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(arch.hidden_size, arch.intermediate_size, bias=False)
+        self.intermediate_size = arch.intermediate_size
+        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -120,7 +147,7 @@ class LlamaModel(nn.Module):
     def load(self, weights: dict[str, torch.Tensor]) -> None:
         if self.arch.tie_word_embeddings:  # why again: to_empty() gives each module its own tensor
             self.lm_head.weight = self.model.embed_tokens.weight
-        missing, unexpected = self.load_state_dict(weights, strict=False)
+        missing, unexpected = self.load_state_dict(fuse_weights(weights), strict=False)
         missing = [
             m for m in missing if not (m == "lm_head.weight" and self.arch.tie_word_embeddings)
         ]

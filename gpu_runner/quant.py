@@ -28,6 +28,7 @@ from gguf import GGMLQuantizationType
 from torch import nn
 
 from gapless.core.common.model_files import ModelArch, read_gguf
+from gapless.gpu_runner.model import fuse_weights
 
 GROUP = 32  # int4 group size: Q4_1's block
 Q4_1_BLOCK_BYTES = 20  # fp16 d, fp16 m, 16 bytes of 32 nibbles
@@ -58,7 +59,7 @@ W8A8_TOP = 63
 # against 17.6 / 14.1 / 14.2 / 15.4 / 18.1 / 28.6 ms with bfloat16 ones (`python -m
 # gapless.bench.floor --batch 1 2 4 8 16 32 --format int4 bf16`)
 SMALL_ROWS = 16
-QUANTIZED = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+QUANTIZED = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 class Int8Linear(nn.Module):
@@ -258,7 +259,13 @@ def q4_1_blocks(path: Path, arch: ModelArch) -> dict[str, tuple[torch.Tensor, ..
             heads = arch.num_heads if name.endswith("q_proj.weight") else arch.num_kv_heads
             tensors = [_unpermute(x, heads).contiguous() for x in tensors]
         out[name.removesuffix(".weight")] = tuple(tensors)
-    return out
+    # the model's fused layers: each of q, d, m joined along the rows
+    return fuse_weights(out, _cat_blocks, suffixes=("",))
+
+
+def _cat_blocks(parts: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
+    """(q, d, m) of layers stacked along their rows: the (q, d, m) of the joined layer."""
+    return tuple(torch.cat(column) for column in zip(*parts, strict=True))
 
 
 def quantize_model(model: nn.Module, mode: str, model_path: str, arch: ModelArch) -> None:

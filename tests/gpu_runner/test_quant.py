@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from gapless.bench.cpu_step import Streams, runner_config
 from gapless.bench.perplexity import perplexity
 from gapless.core.common.model_files import load_arch, load_tokenizer, resolve_model
+from gapless.gpu_runner.model import fuse_weights
 from gapless.gpu_runner.quant import (
     DENSE_ROWS,
     KERNEL_DTYPE,
@@ -157,9 +158,9 @@ def test_int4_dual_keeps_the_dense_weights_and_an_int8_output_layer() -> None:
                      tie_word_embeddings=True, attention_bias=False)  # fmt: skip
     model = LlamaModel(arch).to(torch.bfloat16)
     attn = model.get_submodule("model.layers.0.self_attn")
-    dense_q = attn.q_proj
+    dense_q = attn.qkv_proj
     quantize_model(model, "int4-dual", "", arch)
-    q = attn.q_proj
+    q = attn.qkv_proj
     assert isinstance(q, DualLinear) and q.dense is dense_q
     head = model.lm_head
     assert isinstance(head, DualLinear) and isinstance(head.small, Int8Linear)
@@ -171,9 +172,9 @@ def test_q4_1_blocks_hold_the_files_weights_exactly(default_gguf) -> None:
     info = resolve_model(str(default_gguf))
     arch = load_arch(info)
     blocks = q4_1_blocks(default_gguf, arch)
-    assert len(blocks) == 7 * arch.num_layers
-    weights = load_weights(info, arch, torch.float32)
-    for name in ("model.layers.0.self_attn.q_proj", "model.layers.7.self_attn.k_proj",
+    assert len(blocks) == 4 * arch.num_layers, "q, k, v and gate, up held fused"
+    weights = fuse_weights(load_weights(info, arch, torch.float32))
+    for name in ("model.layers.0.self_attn.qkv_proj", "model.layers.7.mlp.gate_up_proj",
                  "model.layers.29.mlp.down_proj"):  # fmt: skip
         q, d, m = blocks[name]
         n, k = q.shape
