@@ -304,7 +304,8 @@ class SamplerState:
         step = self._step.add_(1)  # [1] int64; in place so graph replays advance it
         batch = logits.shape[0]
         rows = _CPU_BLOCK_ELEMENTS // self.vocab_size if logits.device.type == "cpu" else batch
-        if batch <= max(rows, 1):
+        greedy_only = flags.all_greedy and not flags.any_penalty and flags.max_logprobs < 0
+        if batch <= max(rows, 1) or greedy_only:  # why: an argmax makes no temporaries
             return self._sample_rows(logits, adjusted, slots, positions, step, 0, flags)
         # why: on CPU, [rows, V] temporaries that fit in cache beat [B, V] ones several times
         parts = [
@@ -395,7 +396,12 @@ class SamplerState:
 
 
 def _argmax(x: torch.Tensor) -> torch.Tensor:
-    """x [B, V] -> [B] int64, first index of the max like argmax (max's kernel is faster on CPU)."""
+    """x [B, V] -> [B] int64, the first index of each row's max.
+
+    why numpy on the cpu: torch's max with indices took 362 us over [32, 49152] float32,
+    numpy's argmax 65 (AVX-512 EPYC, 2 threads); elsewhere max's kernel, faster than argmax's"""
+    if x.device.type == "cpu" and x.dtype == torch.float32:
+        return torch.from_numpy(np.argmax(x.numpy(), axis=-1))
     return x.max(dim=-1).indices
 
 

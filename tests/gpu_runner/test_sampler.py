@@ -76,14 +76,20 @@ def test_exponentials_are_never_zero() -> None:
 # ---------------------------------------------------------------- greedy and penalties
 
 
-def test_greedy_equals_argmax_and_skips_logprobs() -> None:
-    state = make_state({s: params(temperature=0.0) for s in range(4)}, vocab_size=1000)
-    logits = torch.randn(4, 1000, generator=torch.Generator().manual_seed(1))
+@pytest.mark.parametrize(("rows", "vocab"), [(4, 1000), (32, 49152)])
+def test_greedy_equals_argmax_and_skips_logprobs(rows: int, vocab: int) -> None:
+    """Also at 32 rows of the default model's vocabulary, past the cpu's blocks of rows."""
+    state = make_state({s: params(temperature=0.0) for s in range(rows)}, vocab, max_slots=rows)
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(1))
     logits[2, 10] = logits[2, 900] = logits[2].max() + 1.0  # a tie: the first index wins
-    out = sample(state, logits, [3, 0, 1, 2], 9)
+    logits[-1, :] = -torch.inf
+    logits[-1, 7] = 0.0
+    slots = [3, 0, 1, 2, *range(4, rows)]
+    out = sample(state, logits, slots, 9)
     assert torch.equal(out.token_ids, logits.argmax(-1))
-    assert out.token_ids[2].item() == 10
-    assert out.logprobs is None and out.top_ids.shape == (4, 0) and out.top_logprobs.shape == (4, 0)
+    assert out.token_ids[2].item() == 10 and out.token_ids[-1].item() == 7
+    assert out.logprobs is None and out.top_ids.shape == (rows, 0)
+    assert out.top_logprobs.shape == (rows, 0)
 
 
 def recorded_state(penalties: SamplingParams) -> SamplerState:
