@@ -4,8 +4,8 @@ python -m gapless.bench.floor --batch 32 --format bf16
 python -m gapless.bench.floor --batch 1 --format int4 fp32 bf16 int8
 python -m gapless.bench.floor --batch 1 32 --format fp32 int8-fp32 int4-fp32
 
-Every linear layer of the model (30 layers x q, k, v, o, gate, up, down, then the output
-layer), with the model's shapes and the module the engine runs for the format (F.linear for
+Every linear layer of the model (30 layers x qkv, o, gate_up, down, then the output layer),
+with the model's shapes (q, k, v and gate, up fused, as the engine holds them) and the module the engine runs for the format (F.linear for
 float weights, the int8 / int4 kernels of --quantization, fbgemm's for w8a8 past one row),
 one after another on a [batch, in] input: a step's weight reads and FLOPs with nothing around
 them. Median of 10 after warm-up.

@@ -15,7 +15,7 @@ def test_floor_runs_every_linear_layer_of_the_model(tiny_model_dir, fmt: str) ->
     arch = load_arch(resolve_model(str(tiny_model_dir)))
     model = build(arch, fmt)
     layers = linear_layers(model)
-    assert len(layers) == 7 * arch.num_layers + 1  # q k v o gate up down per layer, output
+    assert len(layers) == 4 * arch.num_layers + 1  # qkv o gate_up down per layer, output
     kinds = {"int8": Int8Linear, "int4": Int4Linear, "w8a8": W8A8Linear, "int4-dual": DualLinear}
     kind = kinds.get(FORMATS[fmt][1], torch.nn.Linear)
     assert all(isinstance(m, kind) for m in layers[:-1])
