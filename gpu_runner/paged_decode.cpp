@@ -5,7 +5,9 @@
 // OpenMP threads; a single sequence runs on the calling thread. Built by
 // gpu_runner/kernels.py; the layouts are gpu_runner/attention.py's:
 //   q, out      [D, H, hd]         H = KVH * G; query head h * G + g reads KV head h
-//   k, v        [W, KVH, hd]       rows written to the cache first, at cache row slots[i]
+//   k, v        [W, KVH, hd]       rows written to the cache first, at cache row slots[i];
+//                                  row i of k starts k_step elements after row i - 1 (v:
+//                                  v_step, slots: slot_step), so views need no copy
 //   k/v cache   [R, KVH, hd]       R = num_blocks * bs; a context's token t lives at row
 //                                  pages[d, t / bs] * bs + t % bs
 //   pages       [D, P] int64, ctx [D] int64 (1 <= ctx[d] <= P * bs)
@@ -221,15 +223,17 @@ bool paged_decode_bf16_avx512(const uint16_t *q, const uint16_t *k_cache,
 
 template <typename S>
 void paged_decode(const typename S::T *q, const typename S::T *k, const typename S::T *v,
-                  const int64_t *slots, int64_t num_writes, typename S::T *k_cache,
+                  const int64_t *slots, int64_t num_writes, int64_t k_step, int64_t v_step,
+                  int64_t slot_step, typename S::T *k_cache,
                   typename S::T *v_cache, const int64_t *pages, const int64_t *ctx,
                   typename S::T *out, int64_t D, int64_t P, int64_t KVH, int64_t G, int64_t HD,
                   int64_t BS, float scale, int threads) {
     using T = typename S::T;
     const int64_t row = KVH * HD;  // elements of one cached token
     for (int64_t i = 0; i < num_writes; i++) {
-        std::memcpy(k_cache + slots[i] * row, k + i * row, sizeof(T) * row);
-        std::memcpy(v_cache + slots[i] * row, v + i * row, sizeof(T) * row);
+        const int64_t slot = slots[i * slot_step];
+        std::memcpy(k_cache + slot * row, k + i * k_step, sizeof(T) * row);
+        std::memcpy(v_cache + slot * row, v + i * v_step, sizeof(T) * row);
     }
 #ifdef GAPLESS_BF16_AVX512
     if constexpr (sizeof(T) == 2) {
@@ -295,10 +299,12 @@ void paged_decode(const typename S::T *q, const typename S::T *k, const typename
 
 #define GAPLESS_EXPORT(NAME, S)                                                                 \
     extern "C" void NAME(const S::T *q, const S::T *k, const S::T *v, const int64_t *slots,     \
-                         int64_t num_writes, S::T *k_cache, S::T *v_cache, const int64_t *pages, \
+                         int64_t num_writes, int64_t k_step, int64_t v_step, int64_t slot_step, \
+                         S::T *k_cache, S::T *v_cache, const int64_t *pages,                    \
                          const int64_t *ctx, S::T *out, int64_t D, int64_t P, int64_t KVH,      \
                          int64_t G, int64_t HD, int64_t BS, float scale, int threads) {         \
-        paged_decode<S>(q, k, v, slots, num_writes, k_cache, v_cache, pages, ctx, out, D, P,    \
+        paged_decode<S>(q, k, v, slots, num_writes, k_step, v_step, slot_step, k_cache, v_cache, \
+                        pages, ctx, out, D, P,                                                  \
                         KVH, G, HD, BS, scale, threads);                                        \
     }
 

@@ -86,10 +86,13 @@ def test_the_kernel_writes_the_step_s_rows_before_attending(dtype):
     q, k_cache, v_cache, pages, ctx, scale = _case(5, 9, 3, dtype, seed=11)
     g = torch.Generator().manual_seed(12)
     k = torch.randn(5, 3, 64, generator=g).to(dtype)
-    v = torch.randn(5, 3, 64, generator=g).to(dtype)
-    # each decode's own token: the last position of its context
+    v = torch.randn(5, 5, 64, generator=g).to(dtype)[:, 1:4]  # a view, as of a fused output
+    # each decode's own token: the last position of its context; a column, as of the table
     last = ctx - 1
-    slots = pages.gather(1, (last // BS)[:, None])[:, 0] * BS + last % BS
+    table = torch.zeros(5, 3, dtype=torch.long)
+    table[:, 1] = pages.gather(1, (last // BS)[:, None])[:, 0] * BS + last % BS
+    slots = table[:, 1]
+    assert not v.is_contiguous() and not slots.is_contiguous()
     want_k, want_v = k_cache.clone(), v_cache.clone()
     want_k[slots], want_v[slots] = k, v
     want = _dense(q, want_k, want_v, pages, ctx, scale)
