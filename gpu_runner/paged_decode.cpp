@@ -63,7 +63,7 @@ struct BF16 {
 // e^x for x <= 0 (scores less their maximum): 2^n * e^r with |r| <= ln2 / 2, r's exponential
 // by its Taylor series to degree 7 (error under 1e-8 relative to e^r)
 inline __m512 exp_nonpositive(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);  // why this order: a NaN x stays NaN
     const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);  // ln2's high bits
@@ -124,11 +124,11 @@ void attend_bf16_avx512(const uint16_t *q, const uint16_t *k_cache, const uint16
     for (int64_t p = 0, t0 = 0; p < num_pages; p++, t0 += BS) {
         const uint16_t *page = k_cache + pages[p] * BS * row;
         const uint16_t *ahead = p + 1 < num_pages ? k_cache + pages[p + 1] * BS * row : nullptr;
-        const int64_t n = len - t0 < BS ? len - t0 : BS;
+        const int64_t n = len - t0 < BS ? len - t0 : BS, tiles = (n + 15) / 16;
         for (int64_t u = 0; u < n; u += 16) {
             const int m = n - u < 16 ? int(n - u) : 16;
             for (int64_t hg = 0; hg < H; hg++) {
-                if (ahead && u == 0) prefetch_part(ahead, page_bytes, hg, H);
+                if (ahead) prefetch_part(ahead, page_bytes, u / 16 * H + hg, tiles * H);
                 const uint16_t *kr = page + u * row + (hg / G) * HD;
                 __m512bh qv[QC];
                 for (int c = 0; c < QC; c++)
@@ -150,11 +150,14 @@ void attend_bf16_avx512(const uint16_t *q, const uint16_t *k_cache, const uint16
     for (int64_t hg = 0; hg < H; hg++) {
         float *s = score + hg * len;
         __m512 top = _mm512_set1_ps(-INFINITY);
+        __mmask16 nan = 0;  // why: max drops a NaN, which must reach the output as torch's does
         for (int64_t t = 0; t < len; t += 16) {
             const __mmask16 keep = first_lanes(len - t);
-            top = _mm512_mask_max_ps(top, keep, top, _mm512_maskz_loadu_ps(keep, s + t));
+            const __m512 x = _mm512_maskz_loadu_ps(keep, s + t);
+            nan |= _mm512_mask_cmp_ps_mask(keep, x, x, _CMP_UNORD_Q);
+            top = _mm512_mask_max_ps(top, keep, top, x);
         }
-        const __m512 top_v = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+        const __m512 top_v = _mm512_set1_ps(nan ? NAN : _mm512_reduce_max_ps(top));
         __m512 sum = _mm512_setzero_ps();
         for (int64_t t = 0; t < len; t += 16) {
             const __mmask16 keep = first_lanes(len - t);
@@ -172,11 +175,11 @@ void attend_bf16_avx512(const uint16_t *q, const uint16_t *k_cache, const uint16
     for (int64_t p = 0, t0 = 0; p < num_pages; p++, t0 += BS) {
         const uint16_t *page = v_cache + pages[p] * BS * row;
         const uint16_t *ahead = p + 1 < num_pages ? v_cache + pages[p + 1] * BS * row : nullptr;
-        const int64_t n = len - t0 < BS ? len - t0 : BS;
+        const int64_t n = len - t0 < BS ? len - t0 : BS, tiles = (n + 15) / 16;
         for (int64_t u = 0; u < n; u += 16) {
             const int64_t m = n - u < 16 ? n - u : 16;
             for (int64_t hg = 0; hg < H; hg++) {
-                if (ahead && u == 0) prefetch_part(ahead, page_bytes, hg, H);
+                if (ahead) prefetch_part(ahead, page_bytes, u / 16 * H + hg, tiles * H);
                 const uint16_t *vr = page + u * row + (hg / G) * HD;
                 const float *w = score + hg * len + t0 + u;
                 __m512 a[VC];

@@ -82,6 +82,23 @@ def test_the_kernel_over_head_and_block_sizes(hd, bs):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("where", ["first", "last"])
+def test_a_nan_in_the_cache_reaches_the_output_as_in_torch(dtype, where):
+    """A NaN key makes its KV head's outputs NaN, as dense attention's are, wherever in the
+    context it is (a NaN must not turn into plausible numbers on any path)."""
+    q, k_cache, v_cache, pages, ctx, scale = _case(4, 9, 3, dtype, seed=5)
+    ctx[:] = 40
+    t = 0 if where == "first" else 39
+    k_cache[pages[1, t // BS] * BS + t % BS, 2, 7] = float("nan")
+    want = _dense(q, k_cache, v_cache, pages, ctx, scale)
+    got = kernels.paged_decode(q, k_cache, v_cache, pages, ctx, scale, BS).float()
+    assert torch.isnan(want[1, 6:]).all() and not torch.isnan(want[[0, 2, 3]]).any()
+    assert torch.equal(torch.isnan(got), torch.isnan(want))
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.nan_to_num(), want.nan_to_num(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_kernel_writes_the_step_s_rows_before_attending(dtype):
     q, k_cache, v_cache, pages, ctx, scale = _case(5, 9, 3, dtype, seed=11)
     g = torch.Generator().manual_seed(12)
