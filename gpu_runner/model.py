@@ -62,19 +62,18 @@ FUSED = {
 
 
 def fuse_weights(named: dict, cat: Callable = torch.cat, suffixes=(".weight", ".bias")) -> dict:
-    """The same entries with each layer's FUSED parts joined by cat (the parts' values in
-    order -> the fused value); keys are a module's name and one of `suffixes` ("" for bare
-    module names)."""
-    out = dict(named)
+    """`named` itself, each layer's FUSED parts replaced by their join (cat of the parts'
+    values in order); keys are a module's name and one of `suffixes` ("" for bare module
+    names). In place, so each part is freed once joined rather than held to the end."""
     for fused, parts in FUSED.items():
         for suffix in suffixes:
             tail = parts[0] + suffix
-            for key in [k for k in out if k.endswith(tail)]:
+            for key in [k for k in named if k.endswith(tail)]:
                 prefix = key[: -len(tail)]
                 names = [prefix + part + suffix for part in parts]
-                if all(n in out for n in names):
-                    out[prefix + fused + suffix] = cat([out.pop(n) for n in names])
-    return out
+                if all(n in named for n in names):
+                    named[prefix + fused + suffix] = cat([named.pop(n) for n in names])
+    return named
 
 
 class Attention(nn.Module):

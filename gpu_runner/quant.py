@@ -17,6 +17,7 @@ w8a8 takes float32.
 from __future__ import annotations
 
 import itertools
+import logging
 import warnings
 import weakref
 from pathlib import Path
@@ -28,7 +29,9 @@ from gguf import GGMLQuantizationType
 from torch import nn
 
 from gapless.core.common.model_files import ModelArch, read_gguf
-from gapless.gpu_runner.model import fuse_weights
+from gapless.gpu_runner.model import FUSED
+
+log = logging.getLogger("gapless.gpu_runner")
 
 GROUP = 32  # int4 group size: Q4_1's block
 Q4_1_BLOCK_BYTES = 20  # fp16 d, fp16 m, 16 bytes of 32 nibbles
@@ -259,8 +262,24 @@ def q4_1_blocks(path: Path, arch: ModelArch) -> dict[str, tuple[torch.Tensor, ..
             heads = arch.num_heads if name.endswith("q_proj.weight") else arch.num_kv_heads
             tensors = [_unpermute(x, heads).contiguous() for x in tensors]
         out[name.removesuffix(".weight")] = tuple(tensors)
-    # the model's fused layers: each of q, d, m joined along the rows
-    return fuse_weights(out, _cat_blocks, suffixes=("",))
+    return out
+
+
+def _int4_blocks(model: nn.Module, name: str, weight: torch.Tensor, exact: dict) -> tuple:
+    """(q, d, m) of layer `name`: the file's own blocks where it holds them, else weight's
+    rows rounded to int4 groups. A fused layer takes each part's blocks on their own, so a
+    file that holds some parts as Q4_1 keeps those exact."""
+    fused = next((f for f in FUSED if name.endswith("." + f)), None)
+    if fused is None:
+        return exact.get(name) or int4_groups(weight)
+    prefix = name[: -len(fused)]
+    parent = model.get_submodule(name.rsplit(".", 1)[0])
+    sizes = parent.sizes if hasattr(parent, "sizes") else [parent.intermediate_size] * 2
+    rows = weight.split(sizes, dim=0)
+    parts = [prefix + part for part in FUSED[fused]]
+    if exact and not all(p in exact for p in parts):
+        log.info("%s: parts not held as Q4_1 in the file are rounded to int4", name)
+    return _cat_blocks([exact.get(p) or int4_groups(w) for p, w in zip(parts, rows, strict=True)])
 
 
 def _cat_blocks(parts: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
@@ -285,7 +304,7 @@ def quantize_model(model: nn.Module, mode: str, model_path: str, arch: ModelArch
         elif mode == "w8a8":
             new = make_w8a8(module.weight.detach(), bias)
         else:
-            q, d, m = exact.get(name) or int4_groups(module.weight.detach())
+            q, d, m = _int4_blocks(model, name, module.weight.detach(), exact)
             new = make_int4(q, d, m, bias)
             if mode == "int4-dual":
                 new = DualLinear(module, new)

@@ -10,7 +10,6 @@ import torch.nn.functional as F
 from gapless.bench.cpu_step import Streams, runner_config
 from gapless.bench.perplexity import perplexity
 from gapless.core.common.model_files import load_arch, load_tokenizer, resolve_model
-from gapless.gpu_runner.model import fuse_weights
 from gapless.gpu_runner.quant import (
     DENSE_ROWS,
     KERNEL_DTYPE,
@@ -172,9 +171,9 @@ def test_q4_1_blocks_hold_the_files_weights_exactly(default_gguf) -> None:
     info = resolve_model(str(default_gguf))
     arch = load_arch(info)
     blocks = q4_1_blocks(default_gguf, arch)
-    assert len(blocks) == 4 * arch.num_layers, "q, k, v and gate, up held fused"
-    weights = fuse_weights(load_weights(info, arch, torch.float32))
-    for name in ("model.layers.0.self_attn.qkv_proj", "model.layers.7.mlp.gate_up_proj",
+    assert len(blocks) == 7 * arch.num_layers
+    weights = load_weights(info, arch, torch.float32)
+    for name in ("model.layers.0.self_attn.q_proj", "model.layers.7.self_attn.k_proj",
                  "model.layers.29.mlp.down_proj"):  # fmt: skip
         q, d, m = blocks[name]
         n, k = q.shape
