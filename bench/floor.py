@@ -5,10 +5,10 @@ python -m gapless.bench.floor --batch 1 --format int4 fp32 bf16 int8
 python -m gapless.bench.floor --batch 1 32 --format fp32 int8-fp32 int4-fp32
 
 Every linear layer of the model (30 layers x qkv, o, gate_up, down, then the output layer),
-with the model's shapes (q, k, v and gate, up fused, as the engine holds them) and the module the engine runs for the format (F.linear for
-float weights, the int8 / int4 kernels of --quantization, fbgemm's for w8a8 past one row),
-one after another on a [batch, in] input: a step's weight reads and FLOPs with nothing around
-them. Median of 10 after warm-up.
+with the model's shapes (q, k, v and gate, up fused, as the engine holds them) and the module
+the engine runs for the format (F.linear for float weights, the int8 / int4 kernels of
+--quantization, fbgemm's for w8a8 past one row), one after another on a [batch, in] input: a
+step's weight reads and FLOPs with nothing around them. Median of 10 after warm-up.
 """
 
 from __future__ import annotations

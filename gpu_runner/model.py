@@ -61,18 +61,18 @@ FUSED = {
 }
 
 
-def fuse_weights(named: dict, cat: Callable = torch.cat, suffixes=(".weight", ".bias")) -> dict:
-    """`named` itself, each layer's FUSED parts replaced by their join (cat of the parts'
-    values in order); keys are a module's name and one of `suffixes` ("" for bare module
-    names). In place, so each part is freed once joined rather than held to the end."""
+def fuse_weights(named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`named` (a state dict) itself, each layer's FUSED parts (weights, biases) replaced by
+    their rows joined in order. In place, so each part is freed once joined rather than held
+    to the end."""
     for fused, parts in FUSED.items():
-        for suffix in suffixes:
+        for suffix in (".weight", ".bias"):
             tail = parts[0] + suffix
             for key in [k for k in named if k.endswith(tail)]:
                 prefix = key[: -len(tail)]
                 names = [prefix + part + suffix for part in parts]
                 if all(n in named for n in names):
-                    named[prefix + fused + suffix] = cat([named.pop(n) for n in names])
+                    named[prefix + fused + suffix] = torch.cat([named.pop(n) for n in names])
     return named
 
 
@@ -84,6 +84,7 @@ class Attention(nn.Module):
             arch.num_kv_heads,
             arch.head_dim,
         )
+        # q's rows, then k's and v's; a fused layer's parts are split by its module's sizes
         self.sizes = [self.num_heads * self.head_dim] + [self.num_kv_heads * self.head_dim] * 2
         self.qkv_proj = nn.Linear(arch.hidden_size, sum(self.sizes), bias=arch.attention_bias)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, arch.hidden_size, bias=False)
@@ -101,12 +102,12 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, arch: ModelArch) -> None:
         super().__init__()
-        self.intermediate_size = arch.intermediate_size
-        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=False)
+        self.sizes = [arch.intermediate_size] * 2  # gate's rows, then up's
+        self.gate_up_proj = nn.Linear(arch.hidden_size, sum(self.sizes), bias=False)
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate, up = self.gate_up_proj(x).split(self.sizes, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 

@@ -17,8 +17,8 @@
 // or 128 take paged_decode_bf16_avx512 below: a page's rows are read from memory once for all
 // heads, sixteen tokens at a time; q.k by vdpbf16ps (bf16 products are exact in float32), the
 // sixteen dot products summed across lanes together; softmax with a vectorized exp; the
-// weighted sum of V in float32. The next page is prefetched a slice per head, spread over the
-// work. The portable loop leaves all this to the compiler, which reduces each dot product on
+// weighted sum of V in float32. The next page is prefetched a slice per (tile, head), spread
+// over the work. The portable loop leaves all this to the compiler, which reduces each dot product on
 // its own, calls the scalar exp per score and waits on every page it reads: at 30 layers of 32
 // decodes of 130-170 tokens in scattered blocks (test_bench_decode_attention_of_a_step, bf16,
 // 2 threads, AVX-512 EPYC) it took 17.7 ms, this path 3.7; prefetching the whole next page in
@@ -100,7 +100,7 @@ inline __m512 sum16(const __m512 *v) {
 }
 
 // part `part` of `parts` of a page's cache lines on their way to L1: a page ahead is fetched a
-// slice per head, so the loads spread over the work instead of stalling in one burst
+// slice per (tile, head), so the loads spread over the work instead of stalling in one burst
 inline void prefetch_part(const uint16_t *rows, int64_t bytes, int64_t part, int64_t parts) {
     const char *at = reinterpret_cast<const char *>(rows);
     const int64_t lines = bytes / 64, per = (lines + parts - 1) / parts;

@@ -273,9 +273,7 @@ def _int4_blocks(model: nn.Module, name: str, weight: torch.Tensor, exact: dict)
     if fused is None:
         return exact.get(name) or int4_groups(weight)
     prefix = name[: -len(fused)]
-    parent = model.get_submodule(name.rsplit(".", 1)[0])
-    sizes = parent.sizes if hasattr(parent, "sizes") else [parent.intermediate_size] * 2
-    rows = weight.split(sizes, dim=0)
+    rows = weight.split(model.get_submodule(name.rsplit(".", 1)[0]).sizes, dim=0)
     parts = [prefix + part for part in FUSED[fused]]
     if exact and not all(p in exact for p in parts):
         log.info("%s: parts not held as Q4_1 in the file are rounded to int4", name)
