@@ -164,13 +164,10 @@ class Request:
         return (self.prompt_ids[start:] if start < p else []) + outputs[max(0, start - p) : end - p]
 
     def add_prompt_logprobs(self, piece: PromptLogprobs) -> None:
-        """Join one chunk's scores if it continues what is held and scores this prompt."""
+        """Join one chunk's scores if it continues what is held (a recompute repeats chunks)."""
         held = self.prompt_logprobs
         if held is None or piece.start != held.start + len(held.token_ids):
             return
-        end = piece.start + len(piece.token_ids)
-        if self.prompt_ids[piece.start : end] != piece.token_ids:
-            return  # a chunk of the slot's previous request
         held.token_ids += piece.token_ids
         held.logprobs += piece.logprobs
 

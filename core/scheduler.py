@@ -57,6 +57,9 @@ class ScheduledStep:
     num_decode_tokens: int = 0
     num_cached_tokens: int = 0  # tokens admitted requests found in the prefix cache
     num_released: int = 0  # RunningBatch.num_released when planned
+    # slot -> the request whose prompt chunk it scores, as planned: its scores are that
+    # request's even if it leaves the slot (preempted, another admitted) before they arrive
+    scorers: dict[int, Request] = field(default_factory=dict)
     decode: DecodeSet | None = None  # the set whose every row this step samples, in order
     plan_sent: float = 0.0  # perf_counter when the plan left the core
     schedule_s: float = 0.0  # time spent building it
@@ -477,11 +480,14 @@ class Scheduler:
         sample = start + take == rb.num_tokens(slots)
         has_tokens = start < rb.prefill_end[slots]
         token_ids: list[int] = []
+        scorers: dict[int, Request] = {}
         for j in np.flatnonzero(has_tokens):  # prompt chunks and recomputes: a few per step
             req = rb.req[slots[j]]
             begin, end = int(start[j]), int(start[j] + take[j])
             token_ids.extend(req.known_tokens(begin, end))
             self._charge_prompt(req, end)
+            if req.prompt_logprobs is not None:
+                scorers[int(slots[j])] = req
         assert (take[~has_tokens] == 1).all(), "a device-fed entry has one token"
         new_count = rb.num_blocks[slots] - rb.num_sent[slots]
         new_blocks: list[int] = []
@@ -515,6 +521,7 @@ class Scheduler:
             num_decode_tokens=int((~has_tokens).sum()),
             num_cached_tokens=self._num_cached_admitted,
             num_released=rb.num_released,
+            scorers=scorers,
         )
 
     # ------------------------------------------------------------------ results
@@ -524,9 +531,7 @@ class Scheduler:
         assert result.seq == step.plan.seq, f"result {result.seq} for plan {step.plan.seq}"
         rb, out = self.rb, StepOutput()
         for piece in result.prompt_logprobs:
-            owner = rb.req[piece.slot]
-            if owner is not None:
-                owner.add_prompt_logprobs(piece)
+            step.scorers[piece.slot].add_prompt_logprobs(piece)
         tokens = np.asarray(result.token_ids, np.int64)
         slots = step.sample_slots
         if rb.num_released == step.num_released:  # no slot changed hands: every row is live

@@ -6,7 +6,13 @@ import time
 
 import pytest
 
-from gapless.core.common.messages import AddRequest, SamplingParams, StepResult
+from gapless.core.common.messages import (
+    AddRequest,
+    PromptLogprobs,
+    SampleLogprobs,
+    SamplingParams,
+    StepResult,
+)
 from gapless.core.scheduler import ScheduledStep, Scheduler
 
 EOS = 2
@@ -223,3 +229,35 @@ def test_ignore_eos_ignores_eos_but_not_stop_token_ids():
     assert step.decode is not None, "r0 decodes alone: the decode plan"
     out = s.update_from_output(step, fake_result(step, {"r0": 55}))
     assert out.end_reasons == ["stop_token"] and not s.has_work
+
+
+def scored_result(step: ScheduledStep, req) -> StepResult:
+    """A fake result whose prompt chunk for `req` is scored as the runner would send it."""
+    (j,) = [j for j, s in enumerate(step.plan.slots) if s == step.plan.new_slots[0].slot]
+    begin = step.plan.start_pos[j]
+    ids = req.prompt_ids[max(begin, 1) : begin + step.plan.num_tokens[j]]
+    piece = PromptLogprobs(
+        slot=step.plan.slots[j],
+        start=max(begin, 1),
+        token_ids=ids,
+        logprobs=[SampleLogprobs(-float(t)) for t in ids],
+    )
+    return StepResult(seq=step.plan.seq, token_ids=[7] * len(step.sampled), prompt_logprobs=[piece])
+
+
+@pytest.mark.parametrize("slot_reused", [False, True], ids=["slot-empty", "slot-reused"])
+def test_prompt_scores_reach_a_request_preempted_while_they_were_in_flight(slot_reused):
+    """A prompt chunk scored in a step belongs to the request it was planned for, even when
+    that request left its slot (and another took it) before the result came back."""
+    s = make_scheduler(max_num_seqs=1)  # one slot: the next request takes the same one
+    (req,) = make_requests(s, 1, prompt_len=9, prompt_logprobs=1)
+    step = s.schedule()
+    assert step.sampled == [req], "the whole prompt in one chunk, then its first sample"
+    s.preempt(req)
+    if slot_reused:
+        make_requests_named(s, "other", 9)
+        assert s.schedule().plan.new_slots[0].slot == step.plan.new_slots[0].slot
+    out = s.update_from_output(step, scored_result(step, req))
+    (sent,) = [p for r, p in zip(out.requests, out.prompt_logprobs, strict=True) if r is req]
+    assert sent.token_ids == req.prompt_ids[1:]
+    assert [x.logprob for x in sent.logprobs] == [-float(t) for t in req.prompt_ids[1:]]
