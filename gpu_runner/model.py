@@ -167,14 +167,15 @@ class LlamaModel(nn.Module):
         kv_cache,  # per layer (K, V), each [R, KVH, d]; or a [layers, 2, R, KVH, d] tensor
         meta: AttentionMeta,
         logit_rows: torch.Tensor,  # [B] long: rows whose next-token logits are wanted
-        run_layer: Callable | None = None,  # (layer, x, cos, sin, kv, meta) -> x, e.g. compiled
+        # (layers, x, cos, sin, kv_cache, meta) -> x: the decoder layers run some other way
+        run_layers: Callable | None = None,
     ) -> torch.Tensor:  # [B, vocab] float32
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rope(positions, x.dtype)
-        for i, layer in enumerate(self.model.layers):
-            if run_layer is None:
+        if run_layers is not None:
+            x = run_layers(self.model.layers, x, cos, sin, kv_cache, meta)
+        else:
+            for i, layer in enumerate(self.model.layers):
                 x = layer(x, cos, sin, kv_cache[i], meta)
-            else:
-                x = run_layer(layer, x, cos, sin, kv_cache[i], meta)
         x = self.model.norm(x.index_select(0, logit_rows))
         return self.lm_head(x).float()

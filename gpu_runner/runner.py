@@ -182,7 +182,7 @@ class ModelRunner:
         self.compiled = config.compile and self.use_graphs and self.device.type == "cpu"
         forward = self.forward
         if self.compiled:
-            forward = partial(self.forward, run_layer=compiled.compile_layer())
+            forward = partial(self.forward, run_layers=compiled.CompiledLayers())
         self.graphs = DecodeGraphs(forward, sizes)
         self.attn = self.make_attention()
         self.sampler = SamplerState(
@@ -290,7 +290,7 @@ class ModelRunner:
         num_rows: int,
         meta: AttentionMeta,
         num_logits: int | None = None,
-        run_layer: Callable | None = None,
+        run_layers: Callable | None = None,
     ) -> torch.Tensor:  # [num_logits, vocab] float32
         """The model over the first num_rows rows of the static table; what the graphs hold."""
         fed = self.batch.column(IDS, num_rows)
@@ -298,7 +298,7 @@ class ModelRunner:
         input_ids = torch.where(fed >= 0, fed, from_device)  # [rows] long
         positions = self.batch.column(POSITIONS, num_rows)
         logit_rows = self.batch.column(LOGIT_ROWS, num_rows if num_logits is None else num_logits)
-        return self.model(input_ids, positions, self.kv_cache, meta, logit_rows, run_layer)
+        return self.model(input_ids, positions, self.kv_cache, meta, logit_rows, run_layers)
 
     def run_model(self, inp: StepInputs, meta: AttentionMeta) -> torch.Tensor:
         """[B_s + P, vocab] float32 logits of the sampling entries in entry order, then of the

@@ -5,8 +5,11 @@ runs the eager step (--no-compile)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import msgspec
 import pytest
+import torch
 
 from gapless.core.common.messages import SamplingParams
 from tests.core.test_engine_greedy import GREEDY, reference  # noqa: F401 (a fixture)
@@ -22,6 +25,10 @@ def _count_compiled_runs(backend) -> list[int]:
     run = backend.graphs.run
     backend.graphs.run = lambda size, meta: sizes.append(size) or run(size, meta)
     return sizes
+
+
+def _num_replayed(backend) -> int:
+    return backend.graphs.forward.keywords["run_layers"].num_replayed
 
 
 @pytest.mark.parametrize("kernel", [True, False], ids=["paged-kernel", "torch-attention"])
@@ -40,6 +47,7 @@ def test_compiled_greedy_equals_transformers(tiny_model_dir, reference, kernel):
     for i in range(len(prompts)):
         assert got[f"r{i}"] == want[i], f"request {i} (prompt {len(prompts[i])} tokens)"
     assert {1, 4, 8} <= set(sizes), f"decode batches of one and more compiled: {sizes}"
+    assert _num_replayed(h.backend) > 0, "layers after the first replayed the compiled graph"
 
 
 CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
@@ -69,6 +77,7 @@ def test_compiled_and_eager_fp32_agree_on_the_default_model(default_gguf):
         outputs[compiled] = h.run(arrivals)
         if compiled:
             assert {1, 8} <= set(sizes), sizes
+            assert _num_replayed(h.backend) > 0
     assert outputs[True] == outputs[False]
     assert "Paris" in tok.decode(outputs[True]["solo"])
 
@@ -86,3 +95,48 @@ def test_a_failed_compile_falls_back_to_eager(tiny_model_dir, reference, monkeyp
     assert "running it eagerly" in caplog.text and "InvalidCxxCompiler" in caplog.text
     got = h.run({0: [("r0", prompts[0], GREEDY)]})
     assert got["r0"] == want[0]
+
+
+class _Layer(torch.nn.Module):
+    """A decoder layer's call signature over a weight, a float attribute and a cache."""
+
+    def __init__(self, w: torch.Tensor, eps: float) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(w, requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x, cos, sin, kv, meta):
+        h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        kv[0][meta.slots] = h[:, : kv[0].shape[1]]  # in place, as the cache writes are
+        return (h @ self.w.to(h.dtype)) * cos + sin + kv[1].sum()
+
+
+def test_replayed_layers_use_their_own_weights_and_fall_back_where_they_differ():
+    """Layers after the first replay its graph with their own weights, floats and caches;
+    one whose inputs differ in kind from the first's (here a cache of another size) goes
+    through the compiler instead, and every output equals the eager loop's."""
+    from gapless.gpu_runner.compiled import CompiledLayers
+
+    gen = torch.Generator().manual_seed(0)
+    ws = [torch.randn(8, 8, generator=gen) for _ in range(4)]
+    layers = [_Layer(w, eps) for w, eps in zip(ws, (1e-5, 0.5, 1e-5, 2.0), strict=True)]
+    meta = SimpleNamespace(slots=torch.tensor([1, 3, 0]))
+
+    def caches() -> list:
+        g = torch.Generator().manual_seed(1)
+        rows = (5, 5, 6, 5)
+        return [(torch.zeros(n, 4), torch.randn(n, 4, generator=g)) for n in rows]
+
+    run = CompiledLayers()
+    for rows in (3, 3, 2):  # the second call reuses the graph; the third takes another
+        x, cos, sin = (torch.randn(rows, 8, generator=gen) for _ in range(3))
+        meta.slots = meta.slots[:rows]
+        want_kv, got_kv = caches(), caches()
+        want = x
+        for layer, kv in zip(layers, want_kv, strict=True):
+            want = layer(want, cos, sin, kv, meta)
+        got = run(layers, x, cos, sin, got_kv, meta)
+        torch.testing.assert_close(got, want)
+        for got_cache, want_cache in zip(got_kv, want_kv, strict=True):
+            torch.testing.assert_close(got_cache[0], want_cache[0])
+    assert run.num_replayed == 2 * 3, "layers 1 and 3 replayed each call; layer 2 did not"
