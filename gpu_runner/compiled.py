@@ -32,6 +32,16 @@ def run_layer(layer, x, cos, sin, kv, meta) -> torch.Tensor:
     return layer(x, cos, sin, kv, meta)
 
 
+INDUCTOR = {
+    # why one thread in generated code: a decode step's element-wise tensors are small, and a
+    # parallel region per kernel costs more in wake-ups than it saves (the matmuls, which the
+    # compiler leaves to torch, keep --threads)
+    "cpp.threads": 1,
+    # why: ~25 checks of sizes and strides a layer, ~0.4 ms of a 6.4 ms step at batch 1 (5.97
+    # against 6.39 ms, medians of 6 alternating runs in one process; batch 32 unchanged); a
+    # replayed layer's own inputs are checked against the first layer's once, when first seen
+    "size_asserts": False,
+}
 _PER_LAYER = ("L['layer']", "L['kv']")  # where a graph input that differs by layer comes from
 
 
@@ -111,16 +121,10 @@ class CompiledLayers:
     """
 
     def __init__(self) -> None:
-        import torch._inductor.config as inductor
-
         # why a copy of the code: compiled graphs are kept per code object and, without guards
         # on the layers, would be taken for another model of the same shapes in this process (a
         # bench timing bf16 then int4); a copy per runner keeps them apart
         fresh = types.FunctionType(run_layer.__code__.replace(), run_layer.__globals__, "run_layer")
-        # why one thread in generated code: a decode step's element-wise tensors are small, and
-        # a parallel region per kernel costs more in wake-ups than it saves (the matmuls, which
-        # the compiler leaves to torch, keep --threads)
-        inductor.cpp.threads = 1
         self.compiled = torch.compile(
             fresh,
             backend=self._backend,
@@ -136,7 +140,7 @@ class CompiledLayers:
     def _backend(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
         from torch._inductor.compile_fx import compile_fx
 
-        graph = _Graph(compile_fx(gm, example_inputs), gm)
+        graph = _Graph(compile_fx(gm, example_inputs, config_patches=INDUCTOR), gm)
 
         def run(*args):
             self._called = (graph, args)
