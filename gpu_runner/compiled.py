@@ -14,10 +14,12 @@ traces. Prefill chunks and mixed steps stay eager.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import sys
 import time
 import types
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -42,55 +44,59 @@ INDUCTOR = {
     # replayed layer's own inputs are checked against the first layer's once, when first seen
     "size_asserts": False,
 }
-_PER_LAYER = ("L['layer']", "L['kv']")  # where a graph input that differs by layer comes from
+_ARGS = ("layer", "x", "cos", "sin", "kv", "meta")  # run_layer's, as dynamo's sources name them
+_PER_LAYER = ("layer", "kv")  # the arguments whose inputs differ by layer
+
+
+def _root(arg) -> str | None:
+    """Which of run_layer's arguments a graph input comes from; None for anything else (an
+    input of a frame inside a layer, after a graph break there)."""
+    source = getattr(arg, "source", None)
+    while source is not None and hasattr(source, "base"):  # a chain of lookups from a local
+        source = source.base
+    name = getattr(source, "local_name", None)
+    return name if name in _ARGS else None
 
 
 class _Graph:
-    """One compiled graph and where each of its inputs comes from (dynamo's graph arguments):
-    the layer's own (weights, its KV cache), the layer's input x, or the step's (the rest)."""
+    """One compiled graph of run_layer and where each of its inputs comes from (dynamo's graph
+    arguments): the layer's own (weights, its KV cache), its input x, or the step's (the rest).
+    Holds nothing of a model: a runner dropped is freed."""
+
+    _ids = itertools.count()
 
     def __init__(self, fn: Callable, gm: torch.fx.GraphModule) -> None:
         self.fn = fn
-        self.x = -1
+        self.id = next(self._ids)
+        self.x = -1  # x's position; -1: the graph is not replayed
         self.per_layer: list[tuple[int, Any, bool]] = []  # position, source, float as tensor
-        # by layer index: the layer and cache they were found for, and its inputs
-        self.layers: dict[int, tuple[object, object, list[tuple[int, object]] | None]] = {}
+        x = -1
         for pos, node in enumerate(n for n in gm.graph.nodes if n.op == "placeholder"):
             arg = node.meta.get("grapharg")
-            if arg is None or arg.source is None:
-                self.x = -2  # an input of no known source: this graph is not replayed
+            root = _root(arg)
+            if root is None:
                 return
-            name = arg.source.name
-            if name == "L['x']":
-                self.x = pos
-            elif name.startswith(_PER_LAYER):
+            if root == "x" and arg.source.name == "L['x']":
+                x = pos
+            elif root in _PER_LAYER:
                 self.per_layer.append((pos, arg.source, arg.pass_arg_as_tensor))
+        self.x = x
 
-    @property
-    def replayable(self) -> bool:
-        return self.x >= 0
-
-    def inputs_of(self, i: int, layer, kv, first: tuple) -> list[tuple[int, object]] | None:
-        """Layer i's own inputs, found once per layer and cache; None where they differ in
-        kind from the first layer's (another module structure, dtype, shape or strides):
-        that layer is called through the compiler instead."""
-        known = self.layers.get(i)
-        if known is not None and known[0] is layer and known[1] is kv:
-            return known[2]
+    def inputs_of(self, layer, kv, first: tuple) -> list[tuple[int, object]] | None:
+        """The layer's own inputs; None where they differ in kind from the first layer's
+        (another module structure, dtype, shape or strides)."""
         frame = {"L": {"layer": layer, "kv": kv}}  # the function's locals, as dynamo names them
-        found: list[tuple[int, object]] | None = []
+        found: list[tuple[int, object]] = []
         try:
             for pos, source, as_tensor in self.per_layer:
                 value = source.get_value({}, frame, {})
                 if as_tensor:
                     value = torch._as_tensor_fullprec(value)
                 if not _alike(value, first[pos]):
-                    found = None
-                    break
+                    return None
                 found.append((pos, value))
         except (AttributeError, KeyError, IndexError, TypeError):
-            found = None
-        self.layers[i] = (layer, kv, found)
+            return None
         return found
 
 
@@ -113,6 +119,12 @@ class CompiledLayers:
     layers call that graph directly with their own weights and cache in place of the first
     layer's, so no guards, frame evaluation or argument gathering run for them.
 
+    A layer is replayed only when the first layer's call ran exactly one graph whose every
+    input comes from run_layer's arguments (a graph break inside a layer makes several, or
+    inputs of the layer's own frames), and when its own inputs match the first layer's in
+    dtype, shape and strides. Otherwise it runs eagerly: the compiler would take the same
+    graph without checking, as its guards skip the layers' modules.
+
     why: per layer, dynamo's cache lookup and the bytecode that gathers the graph's inputs
     took ~55 us (torch profiler, batch 32, default model), ~1.6 ms of a step whatever its
     size. Median decode step, default model and settings, 6 alternating runs of 24 steps in one
@@ -123,45 +135,67 @@ class CompiledLayers:
     def __init__(self) -> None:
         # why a copy of the code: compiled graphs are kept per code object and, without guards
         # on the layers, would be taken for another model of the same shapes in this process (a
-        # bench timing bf16 then int4); a copy per runner keeps them apart
-        fresh = types.FunctionType(run_layer.__code__.replace(), run_layer.__globals__, "run_layer")
+        # bench timing bf16 then int4); a copy per runner keeps them apart. Its own globals:
+        # the compiler puts each compiled graph there, and they go with this copy
+        fresh = types.FunctionType(
+            run_layer.__code__.replace(), dict(run_layer.__globals__), "run_layer"
+        )
+        owner = weakref.ref(self)  # why: the compiler keeps the backend; it must not keep us
         self.compiled = torch.compile(
             fresh,
-            backend=self._backend,
+            backend=lambda gm, example_inputs: owner()._backend(gm, example_inputs),
             dynamic=True,
             # why: weights change nothing between calls; guarding each layer's parameters costs
             # more per call than the fused kernels save
             options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe},
         )
-        self._called: tuple[_Graph, tuple] | None = None  # the last graph run, and its inputs
+        self._ran: list[tuple[_Graph, tuple]] = []  # graphs run by the call in progress
+        # (graph id, layer index) -> the layer and cache its inputs were found for, and them
+        self._inputs: dict[tuple[int, int], tuple[object, object, list | None]] = {}
         self.replay = True  # False: every layer through the compiler (to compare)
+        self.num_graphs = 0  # graphs compiled (or loaded from the cache)
         self.num_replayed = 0  # layers run by replay rather than through the compiler
 
     def _backend(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
         from torch._inductor.compile_fx import compile_fx
 
         graph = _Graph(compile_fx(gm, example_inputs, config_patches=INDUCTOR), gm)
+        self.num_graphs += 1
+        owner = weakref.ref(self)  # why: the compiler keeps `run` too
 
         def run(*args):
-            self._called = (graph, args)
+            layers = owner()
+            if layers is not None:
+                layers._ran.append((graph, args))
             return graph.fn(*args)
 
         return run
 
+    def _own_inputs(self, graph: _Graph, i: int, layer, kv, first: tuple) -> list | None:
+        known = self._inputs.get((graph.id, i))
+        if known is not None and known[0] is layer and known[1] is kv:
+            return known[2]
+        found = graph.inputs_of(layer, kv, first)
+        self._inputs[graph.id, i] = (layer, kv, found)
+        return found
+
     def __call__(self, layers, x, cos, sin, kv_cache, meta) -> torch.Tensor:
-        self._called = None
+        self._ran.clear()
         x = self.compiled(layers[0], x, cos, sin, kv_cache[0], meta)
-        called, self._called = self._called, None
-        for i in range(1, len(layers)):
-            own = None
-            if self.replay and called is not None and called[0].replayable:
-                graph, first = called
-                own = graph.inputs_of(i, layers[i], kv_cache[i], first)
-            if own is None:
+        ran, self._ran = self._ran, []
+        if not self.replay or len(ran) != 1 or ran[0][0].x < 0:
+            for i in range(1, len(layers)):
                 x = self.compiled(layers[i], x, cos, sin, kv_cache[i], meta)
+            return x
+        graph, first = ran[0]
+        pos_x = graph.x
+        for i in range(1, len(layers)):
+            own = self._own_inputs(graph, i, layers[i], kv_cache[i], first)
+            if own is None or not _alike(x, first[pos_x]):
+                x = layers[i](x, cos, sin, kv_cache[i], meta)
                 continue
             args = list(first)
-            args[graph.x] = x
+            args[pos_x] = x
             for pos, value in own:
                 args[pos] = value
             x = graph.fn(*args)[0]

@@ -5,6 +5,8 @@ runs the eager step (--no-compile)."""
 
 from __future__ import annotations
 
+import gc
+import weakref
 from types import SimpleNamespace
 
 import msgspec
@@ -111,32 +113,74 @@ class _Layer(torch.nn.Module):
         return (h @ self.w.to(h.dtype)) * cos + sin + kv[1].sum()
 
 
+def _caches(rows: tuple[int, ...]) -> list:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.zeros(n, 4), torch.randn(n, 4, generator=g)) for n in rows]
+
+
+def _eager(layers, x, cos, sin, kv_cache, meta) -> torch.Tensor:
+    for layer, kv in zip(layers, kv_cache, strict=True):
+        x = layer(x, cos, sin, kv, meta)
+    return x
+
+
 def test_replayed_layers_use_their_own_weights_and_fall_back_where_they_differ():
     """Layers after the first replay its graph with their own weights, floats and caches;
-    one whose inputs differ in kind from the first's (here a cache of another size) goes
-    through the compiler instead, and every output equals the eager loop's."""
+    one whose inputs differ in kind from the first's (here a cache of another size) runs
+    eagerly instead, and every output and cache write equals the eager loop's."""
     from gapless.gpu_runner.compiled import CompiledLayers
 
     gen = torch.Generator().manual_seed(0)
     ws = [torch.randn(8, 8, generator=gen) for _ in range(4)]
     layers = [_Layer(w, eps) for w, eps in zip(ws, (1e-5, 0.5, 1e-5, 2.0), strict=True)]
     meta = SimpleNamespace(slots=torch.tensor([1, 3, 0]))
-
-    def caches() -> list:
-        g = torch.Generator().manual_seed(1)
-        rows = (5, 5, 6, 5)
-        return [(torch.zeros(n, 4), torch.randn(n, 4, generator=g)) for n in rows]
-
+    sizes = (5, 5, 6, 5)
     run = CompiledLayers()
-    for rows in (3, 3, 2):  # the second call reuses the graph; the third takes another
+    for rows in (3, 3, 1):  # the second call reuses the graph; one row takes another
         x, cos, sin = (torch.randn(rows, 8, generator=gen) for _ in range(3))
         meta.slots = meta.slots[:rows]
-        want_kv, got_kv = caches(), caches()
-        want = x
-        for layer, kv in zip(layers, want_kv, strict=True):
-            want = layer(want, cos, sin, kv, meta)
+        want_kv, got_kv = _caches(sizes), _caches(sizes)
+        want = _eager(layers, x, cos, sin, want_kv, meta)
         got = run(layers, x, cos, sin, got_kv, meta)
         torch.testing.assert_close(got, want)
         for got_cache, want_cache in zip(got_kv, want_kv, strict=True):
             torch.testing.assert_close(got_cache[0], want_cache[0])
+    assert run.num_graphs == 2, "batches of 3 and of 1"
     assert run.num_replayed == 2 * 3, "layers 1 and 3 replayed each call; layer 2 did not"
+
+
+class _Breaking(_Layer):
+    def forward(self, x, cos, sin, kv, meta):
+        h = x * 2
+        torch._dynamo.graph_break()
+        return super().forward(h, cos, sin, kv, meta)
+
+
+def test_a_graph_break_in_a_layer_is_never_replayed():
+    """The compiler splits such a layer into graphs of its own frames; replaying one of them
+    would run part of a layer, so every layer goes through the compiler, as without replay."""
+    from gapless.gpu_runner.compiled import CompiledLayers
+
+    gen = torch.Generator().manual_seed(0)
+    layers = [_Breaking(torch.randn(8, 8, generator=gen), 1e-5) for _ in range(3)]
+    meta = SimpleNamespace(slots=torch.tensor([1, 3]))
+    x, cos, sin = (torch.randn(2, 8, generator=gen) for _ in range(3))
+    run = CompiledLayers()
+    got = run(layers, x, cos, sin, _caches((5, 5, 5)), meta)
+    torch.testing.assert_close(got, _eager(layers, x, cos, sin, _caches((5, 5, 5)), meta))
+    assert run.num_graphs >= 1 and run.num_replayed == 0
+
+
+def test_a_dropped_runner_frees_its_layers():
+    """The compiler keeps what our backend returns; it must not keep the model with it."""
+    from gapless.gpu_runner.compiled import CompiledLayers
+
+    layers = [_Layer(torch.randn(8, 8), 1e-5) for _ in range(3)]
+    meta = SimpleNamespace(slots=torch.tensor([0, 2]))
+    run = CompiledLayers()
+    run(layers, *(torch.randn(2, 8) for _ in range(3)), _caches((5, 5, 5)), meta)
+    assert run.num_replayed == 2
+    alive = weakref.ref(layers[1].w)
+    del run, layers
+    gc.collect()
+    assert alive() is None
