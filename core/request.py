@@ -164,12 +164,16 @@ class Request:
         return (self.prompt_ids[start:] if start < p else []) + outputs[max(0, start - p) : end - p]
 
     def add_prompt_logprobs(self, piece: PromptLogprobs) -> None:
-        """Join one chunk's scores if it continues what is held (a recompute repeats chunks)."""
+        """Join one chunk's scores past what is held: a recompute after preemption scores the
+        prompt again from its start, in chunks of whatever size its budget allows then."""
         held = self.prompt_logprobs
-        if held is None or piece.start != held.start + len(held.token_ids):
+        if held is None:
             return
-        held.token_ids += piece.token_ids
-        held.logprobs += piece.logprobs
+        skip = held.start + len(held.token_ids) - piece.start  # of this chunk, held already
+        if skip < 0 or skip >= len(piece.token_ids):
+            return  # all repeats (or, never expected, a gap: joined, it would shift the rest)
+        held.token_ids += piece.token_ids[skip:]
+        held.logprobs += piece.logprobs[skip:]
 
     def take_prompt_logprobs(self) -> PromptLogprobs | None:
         """The prompt's scores, once, when its first output token is sent."""

@@ -21,6 +21,7 @@ probe per lookup and one registration per request for the cache.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -41,6 +42,8 @@ from gapless.core.request import Request, Status, check_stop
 from gapless.core.running import DecodeSet, RunningBatch
 
 _EMPTY = np.zeros(0, np.int64)
+
+log = logging.getLogger("gapless.core")
 
 
 def _has_penalty(p: SamplingParams) -> bool:
@@ -531,7 +534,12 @@ class Scheduler:
         assert result.seq == step.plan.seq, f"result {result.seq} for plan {step.plan.seq}"
         rb, out = self.rb, StepOutput()
         for piece in result.prompt_logprobs:
-            step.scorers[piece.slot].add_prompt_logprobs(piece)
+            scorer = step.scorers.get(piece.slot)
+            if scorer is None:  # never expected: the runner scores the slots the plan names
+                log.warning("prompt logprobs for slot %d, which step %d did not score",
+                            piece.slot, step.plan.seq)  # fmt: skip
+            else:
+                scorer.add_prompt_logprobs(piece)
         tokens = np.asarray(result.token_ids, np.int64)
         slots = step.sample_slots
         if rb.num_released == step.num_released:  # no slot changed hands: every row is live

@@ -232,13 +232,14 @@ def test_ignore_eos_ignores_eos_but_not_stop_token_ids():
 
 
 def scored_result(step: ScheduledStep, req) -> StepResult:
-    """A fake result whose prompt chunk for `req` is scored as the runner would send it."""
+    """A fake result whose prompt chunk for `req` is scored as the runner scores it: rows
+    begin .. begin + n - 1 score the prompt tokens after them."""
     (j,) = [j for j, s in enumerate(step.plan.slots) if s == step.plan.new_slots[0].slot]
     begin = step.plan.start_pos[j]
-    ids = req.prompt_ids[max(begin, 1) : begin + step.plan.num_tokens[j]]
+    ids = req.prompt_ids[begin + 1 : begin + step.plan.num_tokens[j] + 1]
     piece = PromptLogprobs(
         slot=step.plan.slots[j],
-        start=max(begin, 1),
+        start=begin + 1,
         token_ids=ids,
         logprobs=[SampleLogprobs(-float(t)) for t in ids],
     )
@@ -261,3 +262,22 @@ def test_prompt_scores_reach_a_request_preempted_while_they_were_in_flight(slot_
     (sent,) = [p for r, p in zip(out.requests, out.prompt_logprobs, strict=True) if r is req]
     assert sent.token_ids == req.prompt_ids[1:]
     assert [x.logprob for x in sent.logprobs] == [-float(t) for t in req.prompt_ids[1:]]
+
+
+def test_a_recompute_in_other_chunks_completes_the_prompt_scores():
+    """Scores held up to token 8, then a recompute scores the prompt again in chunks that
+    straddle that point: the part past it is joined, the repeats are not."""
+    s = make_scheduler()
+    (req,) = make_requests(s, 1, prompt_len=12, prompt_logprobs=1)
+    ids = req.prompt_ids
+
+    def piece(start: int, end: int) -> PromptLogprobs:
+        return PromptLogprobs(
+            0, start, ids[start:end], [SampleLogprobs(-t) for t in ids[start:end]]
+        )
+
+    for start, end in ((1, 8), (1, 5), (5, 10), (10, 12), (1, 12)):  # first chunk, then again
+        req.add_prompt_logprobs(piece(start, end))
+    held = req.take_prompt_logprobs()
+    assert held.start == 1 and held.token_ids == ids[1:]
+    assert [x.logprob for x in held.logprobs] == [-t for t in ids[1:]]
