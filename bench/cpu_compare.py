@@ -9,7 +9,8 @@ printed with every figure, so a figure taken under load says so):
    plus anything after `--`) against transformers' static `generate` on the same prompts
    shape from the same GGUF (bf16 and fp32, the faster counts) and llama.cpp's `llama-server`
    on the same GGUF with `-np 32`.
-2. One stream of 128:256 through HTTP: decode tokens/s (1 / TPOT) of gapless and llama-server.
+2. One stream of 128:256 through HTTP: decode tokens/s (1 / TPOT) of gapless and llama-server,
+   both servers up and taking turns three times (the medians).
 3. The decode step at batch 32 against the floor script's matmuls alone for the same format
    (`bench.cpu_step` and `bench.floor`, in their own processes, three of each in turn; the
    medians' ratio).
@@ -21,6 +22,7 @@ run and the summary land in --out.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -34,7 +36,7 @@ from gapless.bench.cpu_step import hogs
 from gapless.bench.floor import FORMATS
 from gapless.bench.launch import free_port, launched_server
 
-PAIRS = 3  # floor and step runs taken in turn for figure 3
+PAIRS = 3  # turns of the two sides of figures 2a and 3
 
 TARGETS = {  # figure -> bound; met when its ratio >= bound
     "32x128:128 gapless / transformers": 2.0,
@@ -71,19 +73,33 @@ def _decode_tok_s(run: dict) -> float:
     return 1e3 / run["tpot_ms"]["p50"]
 
 
-def _streams(url: str, name: str, out: Path, results: dict) -> None:
-    """Figures 1, 2 and 4 of one server: 32 at once, one stream, one stream under hogs."""
-    for n, workload in ((32, "128:128"), (1, "128:256")):
-        run = _bench(url, name, workload, n, out)
-        results[f"{name} {n}x{workload}"] = {
-            "output_tok_s": run["output_token_throughput"],
-            "decode_tok_s": _decode_tok_s(run) if n == 1 else None,
-            "ttft_p50_ms": run["ttft_ms"]["p50"],
+def _many(url: str, name: str, out: Path, results: dict) -> None:
+    """Figure 1's and 2b's run of one server: 32 requests of 128:128 at once."""
+    run = _bench(url, name, "128:128", 32, out)
+    results[f"{name} 32x128:128"] = {
+        "output_tok_s": run["output_token_throughput"],
+        "ttft_p50_ms": run["ttft_ms"]["p50"],
+        "load": os.getloadavg()[0],
+    }
+
+
+def _one_stream(urls: dict[str, str], out: Path, results: dict) -> None:
+    """Figures 2a and 4: one stream of 128:256 on each server, the servers taking turns PAIRS
+    times (the median counts), then once each beside two busy loops."""
+    runs: dict[str, list[float]] = {name: [] for name in urls}
+    for _ in range(PAIRS):
+        for name, url in urls.items():
+            runs[name].append(_decode_tok_s(_bench(url, name, "128:256", 1, out)))
+    for name in urls:
+        results[f"{name} 1x128:256"] = {
+            "decode_tok_s": statistics.median(runs[name]),
+            "runs_tok_s": runs[name],
             "load": os.getloadavg()[0],
         }
     with hogs(2):
-        run = _bench(url, f"{name}-2hogs", "128:256", 1, out)
-    results[f"{name} 1x128:256 under 2 hogs"] = {"decode_tok_s": _decode_tok_s(run)}
+        for name, url in urls.items():
+            run = _bench(url, f"{name}-2hogs", "128:256", 1, out)
+            results[f"{name} 1x128:256 under 2 hogs"] = {"decode_tok_s": _decode_tok_s(run)}
 
 
 def _llama_server(binary: str, gguf: Path, parallel: int, threads: int):
@@ -126,15 +142,15 @@ def main(argv: list[str] | None = None) -> None:
     results: dict[str, dict] = {}
     started = time.perf_counter()
     print(f"gapless serve {' '.join(serve_args)}; {_load()}", flush=True)
-    with launched_server(serve_args) as url:
-        _streams(url, "gapless", args.out, results)
+    with contextlib.ExitStack() as servers:
+        url = servers.enter_context(launched_server(serve_args))
+        _many(url, "gapless", args.out, results)
+        urls = {"gapless": url}
+        if args.llama_server:
+            llama = _llama_server(args.llama_server, gguf, 1, args.threads)
+            urls["llama-server"] = servers.enter_context(llama)
+        _one_stream(urls, args.out, results)
     if args.llama_server:
-        with _llama_server(args.llama_server, gguf, 1, args.threads) as url:
-            run = _bench(url, "llama-server", "128:256", 1, args.out)
-            results["llama-server 1x128:256"] = {"decode_tok_s": _decode_tok_s(run)}
-            with hogs(2):
-                run = _bench(url, "llama-server-2hogs", "128:256", 1, args.out)
-            results["llama-server 1x128:256 under 2 hogs"] = {"decode_tok_s": _decode_tok_s(run)}
         with _llama_server(args.llama_server, gguf, 32, args.threads) as url:
             run = _bench(url, "llama-server-np32", "128:128", 32, args.out)
             results["llama-server -np 32 32x128:128"] = {
