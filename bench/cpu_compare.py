@@ -110,37 +110,8 @@ def _llama_server(binary: str, gguf: Path, parallel: int, threads: int):
     return launched_server(command=command, port=port, startup_timeout_s=120)
 
 
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a and b else None
-
-
-def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    ours, serve_args = (
-        (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
-    )
-    p = argparse.ArgumentParser(prog="python -m gapless.bench.cpu_compare", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    p.add_argument("--llama-server", help="a llama-server binary (llama.cpp); without it, skipped")
-    p.add_argument("--threads", type=int, default=os.cpu_count(), help="llama-server's -t")
-    p.add_argument("--format", choices=list(FORMATS),
-                   help="weight format of the floor and step figure (match the serve flags; "
-                        "default: what gapless serves by default on this cpu)")  # fmt: skip
-    p.add_argument("--skip", nargs="*", default=[], choices=["transformers", "floor"])
-    p.add_argument("--out", type=Path, default=Path("bench/results/cpu-compare"))
-    args = p.parse_args(ours)
-    from gapless.core.common.model_cache import default_model_path
-    from gapless.gpu_runner.runner import resolve_dtype, resolve_quantization
-
-    gguf = default_model_path()
-    if args.format is None:  # what `gapless serve` serves here by default
-        dtype = resolve_dtype("auto", "cpu")
-        quant = resolve_quantization("auto", "auto", "cpu", str(gguf))
-        args.format = next(f for f, served in FORMATS.items() if served == (dtype, quant))
-
-    args.out.mkdir(parents=True, exist_ok=True)
-    results: dict[str, dict] = {}
-    started = time.perf_counter()
+def _http(args: argparse.Namespace, gguf: Path, serve_args: list[str], results: dict) -> None:
+    """Figures 1, 2 and 4: gapless and llama-server through HTTP."""
     print(f"gapless serve {' '.join(serve_args)}; {_load()}", flush=True)
     with contextlib.ExitStack() as servers:
         url = servers.enter_context(launched_server(serve_args))
@@ -157,6 +128,42 @@ def main(argv: list[str] | None = None) -> None:
                 "output_tok_s": run["output_token_throughput"],
                 "ttft_p50_ms": run["ttft_ms"]["p50"],
             }
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    ours, serve_args = (
+        (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
+    )
+    p = argparse.ArgumentParser(prog="python -m gapless.bench.cpu_compare", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--llama-server", help="a llama-server binary (llama.cpp); without it, skipped")
+    p.add_argument("--threads", type=int, default=os.cpu_count(), help="llama-server's -t")
+    p.add_argument("--format", choices=list(FORMATS),
+                   help="weight format of the floor and step figure (match the serve flags; "
+                        "default: what gapless serves by default on this cpu)")  # fmt: skip
+    p.add_argument("--skip", nargs="*", default=[], choices=["http", "transformers", "floor"],
+                   help="parts not to run: http is every server run (figures 1, 2 and 4)")  # fmt: skip
+    p.add_argument("--out", type=Path, default=Path("bench/results/cpu-compare"))
+    args = p.parse_args(ours)
+    from gapless.core.common.model_cache import default_model_path
+    from gapless.gpu_runner.runner import resolve_dtype, resolve_quantization
+
+    gguf = default_model_path()
+    if args.format is None:  # what `gapless serve` serves here by default
+        dtype = resolve_dtype("auto", "cpu")
+        quant = resolve_quantization("auto", "auto", "cpu", str(gguf))
+        args.format = next(f for f, served in FORMATS.items() if served == (dtype, quant))
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, dict] = {}
+    started = time.perf_counter()
+    if "http" not in args.skip:
+        _http(args, gguf, serve_args, results)
     if "transformers" not in args.skip:
         for dtype in ("bfloat16", "float32"):
             text = _python("bench.hf_generate", "--dtype", dtype)
@@ -165,13 +172,15 @@ def main(argv: list[str] | None = None) -> None:
     if "floor" not in args.skip:
         # why pairs: this VM has spells ~25% slower that last a minute or so (the floor read
         # 28.5 then 20.3 ms a few minutes apart); a floor and a step taken in turn, three
-        # times, put both sides in the same spells, and each pair's ratio is kept
+        # times, put both sides in the same spells, and each pair's ratio is kept. Why three
+        # runs a step: one run alone read 37.4, 28.5 and 29.3 ms in three quiet pairs, while
+        # within one process the first of three runs was often the slowest
         dtype, quant = FORMATS[args.format]
         floors, steps = [], []
         for _ in range(PAIRS):
             text = _python("bench.floor", "--batch", "32", "--format", args.format)
             floors.append(float(re.search(r"matmuls\s+([\d.]+) ms", text).group(1)))
-            text = _python("bench.cpu_step", "--batch", "32", "--runs", "1", "--",
+            text = _python("bench.cpu_step", "--batch", "32", "--runs", "3", "--",
                            "--dtype", dtype, "--quantization", quant, *serve_args)  # fmt: skip
             steps.append(float(re.search(r"decode step\s+([\d.]+) ms", text).group(1)))
         results["batch-32 decode step"] = {
