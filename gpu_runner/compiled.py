@@ -14,7 +14,6 @@ traces. Prefill chunks and mixed steps stay eager.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import sys
 import time
@@ -63,11 +62,8 @@ class _Graph:
     arguments): the layer's own (weights, its KV cache), its input x, or the step's (the rest).
     Holds nothing of a model: a runner dropped is freed."""
 
-    _ids = itertools.count()
-
     def __init__(self, fn: Callable, gm: torch.fx.GraphModule) -> None:
         self.fn = fn
-        self.id = next(self._ids)
         self.x = -1  # x's position; -1: the graph is not replayed
         self.per_layer: list[tuple[int, Any, bool]] = []  # position, source, float as tensor
         x = -1
@@ -150,8 +146,8 @@ class CompiledLayers:
             options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe},
         )
         self._ran: list[tuple[_Graph, tuple]] = []  # graphs run by the call in progress
-        # (graph id, layer index) -> the layer and cache its inputs were found for, and them
-        self._inputs: dict[tuple[int, int], tuple[object, object, list | None]] = {}
+        # (graph, layer index) -> the layer and cache its inputs were found for, and them
+        self._inputs: dict[tuple[_Graph, int], tuple[object, object, list | None]] = {}
         self.replay = True  # False: every layer through the compiler (to compare)
         self.num_graphs = 0  # graphs compiled (or loaded from the cache)
         self.num_replayed = 0  # layers run by replay rather than through the compiler
@@ -172,11 +168,11 @@ class CompiledLayers:
         return run
 
     def _own_inputs(self, graph: _Graph, i: int, layer, kv, first: tuple) -> list | None:
-        known = self._inputs.get((graph.id, i))
+        known = self._inputs.get((graph, i))
         if known is not None and known[0] is layer and known[1] is kv:
             return known[2]
         found = graph.inputs_of(layer, kv, first)
-        self._inputs[graph.id, i] = (layer, kv, found)
+        self._inputs[graph, i] = (layer, kv, found)
         return found
 
     def __call__(self, layers, x, cos, sin, kv_cache, meta) -> torch.Tensor:
@@ -189,10 +185,14 @@ class CompiledLayers:
             return x
         graph, first = ran[0]
         pos_x = graph.x
+        # why checked only here and after an eager layer: a replayed layer's output has the
+        # first layer's shape and strides, being the same graph's over the same sizes
+        x_fits = _alike(x, first[pos_x])
         for i in range(1, len(layers)):
-            own = self._own_inputs(graph, i, layers[i], kv_cache[i], first)
-            if own is None or not _alike(x, first[pos_x]):
+            own = self._own_inputs(graph, i, layers[i], kv_cache[i], first) if x_fits else None
+            if own is None:
                 x = layers[i](x, cos, sin, kv_cache[i], meta)
+                x_fits = _alike(x, first[pos_x])
                 continue
             args = list(first)
             args[pos_x] = x
