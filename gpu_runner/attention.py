@@ -241,32 +241,6 @@ def write_kv(
     v_cache.index_copy_(0, slot_mapping, v)
 
 
-_LIB = torch.library.Library("gapless", "FRAGMENT")
-_LIB.define(
-    "paged_decode(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
-    "Tensor slot_mapping, Tensor pages, Tensor ctx, float scale, int block_size) -> Tensor"
-)
-
-
-def _paged_decode(q, k, v, k_cache, v_cache, slot_mapping, pages, ctx, scale, block_size):
-    """The decode layer's attention in a compiled step: the cache writes, then the kernel.
-
-    why a plain library op rather than torch.library.custom_op: its Python wrappers cost
-    ~30 us a call more (see gpu_runner/quant.py), twice a layer as write_kv plus
-    decode_attention"""
-    return kernels.paged_decode(
-        q, k_cache, v_cache, pages, ctx, scale, block_size, writes=(k, v, slot_mapping)
-    )
-
-
-_LIB.impl("paged_decode", _paged_decode, "CPU")
-
-
-@torch.library.register_fake("gapless::paged_decode")
-def _(q, k, v, k_cache, v_cache, slot_mapping, pages, ctx, scale, block_size):
-    return q.new_empty(q.shape)  # contiguous, as the kernel's output is whatever q's strides
-
-
 @write_kv.register_fake
 def _(k, v, k_cache, v_cache, slot_mapping) -> None:
     return None

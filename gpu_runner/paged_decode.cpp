@@ -24,9 +24,15 @@
 // 2 threads, AVX-512 EPYC) it took 17.7 ms, this path 3.7; prefetching the whole next page in
 // one burst instead stalled on the loads (7.4 ms), and without prefetch 8.5 ms.
 
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty_like.h>
+#include <torch/library.h>
+
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
@@ -298,18 +304,72 @@ void paged_decode(const typename S::T *q, const typename S::T *k, const typename
     }
 }
 
+// the operator gapless::paged_decode (schema: gpu_runner/attention.py)
+
+// k / v rows may be views (the compiled layer's come out of the fused qkv projection): each
+// row's KVH * HD elements must be contiguous, the rows themselves any distance apart
+bool rows_contiguous(const at::Tensor &t) {
+    return t.stride(2) == 1 && (t.size(1) == 1 || t.stride(1) == t.size(2));
+}
+
+template <typename S, typename Scalar>
+void run(const at::Tensor &q, const at::Tensor *k, const at::Tensor *v, const at::Tensor *slots,
+         const at::Tensor &k_cache, const at::Tensor &v_cache, const at::Tensor &pages,
+         const at::Tensor &ctx, const at::Tensor &out, double scale, int64_t block_size) {
+    using T = typename S::T;
+    auto ptr = [](const at::Tensor *t) {
+        return t ? reinterpret_cast<T *>(t->data_ptr<Scalar>()) : nullptr;
+    };
+    paged_decode<S>(reinterpret_cast<const T *>(q.data_ptr<Scalar>()), ptr(k), ptr(v),
+                    slots ? slots->data_ptr<int64_t>() : nullptr, slots ? slots->size(0) : 0,
+                    k ? k->stride(0) : 0, v ? v->stride(0) : 0, slots ? slots->stride(0) : 0,
+                    reinterpret_cast<T *>(k_cache.data_ptr<Scalar>()),
+                    reinterpret_cast<T *>(v_cache.data_ptr<Scalar>()), pages.data_ptr<int64_t>(),
+                    ctx.data_ptr<int64_t>(), reinterpret_cast<T *>(out.data_ptr<Scalar>()),
+                    q.size(0), pages.size(1), k_cache.size(1), q.size(1) / k_cache.size(1),
+                    q.size(2), block_size, float(scale), at::get_num_threads());
+}
+
+at::Tensor paged_decode_op(const at::Tensor &q_in, const std::optional<at::Tensor> &k_in,
+                           const std::optional<at::Tensor> &v_in, const at::Tensor &k_cache,
+                           const at::Tensor &v_cache,
+                           const std::optional<at::Tensor> &slots_in,
+                           const at::Tensor &pages_in, const at::Tensor &ctx_in, double scale,
+                           int64_t block_size) {
+    const auto dtype = q_in.scalar_type();
+    TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "paged_decode: q is ", dtype);
+    TORCH_CHECK(q_in.dim() == 3 && k_cache.dim() == 3 && k_cache.is_contiguous() &&
+                    v_cache.is_contiguous() && k_cache.scalar_type() == dtype &&
+                    v_cache.scalar_type() == dtype && k_cache.size(2) == q_in.size(2) &&
+                    q_in.size(1) % k_cache.size(1) == 0,
+                "paged_decode: q [D, H, d] and contiguous caches [R, KVH, d] of its dtype");
+    TORCH_CHECK(pages_in.scalar_type() == at::kLong && ctx_in.scalar_type() == at::kLong &&
+                    pages_in.dim() == 2 && pages_in.size(0) == q_in.size(0),
+                "paged_decode: pages [D, P] and ctx [D], int64");
+    TORCH_CHECK(k_in.has_value() == v_in.has_value() && k_in.has_value() == slots_in.has_value(),
+                "paged_decode: k, v and slot_mapping come together");
+    const at::Tensor q = q_in.contiguous(), pages = pages_in.contiguous(),
+                     ctx = ctx_in.contiguous();
+    at::Tensor out = at::empty_like(q);
+    if (!k_in) {
+        (dtype == at::kFloat ? run<F32, float> : run<BF16, at::BFloat16>)(
+            q, nullptr, nullptr, nullptr, k_cache, v_cache, pages, ctx, out, scale, block_size);
+        return out;
+    }
+    const at::Tensor k = rows_contiguous(*k_in) ? *k_in : k_in->contiguous();
+    const at::Tensor v = rows_contiguous(*v_in) ? *v_in : v_in->contiguous();
+    const at::Tensor &slots = *slots_in;
+    TORCH_CHECK(k.scalar_type() == dtype && v.scalar_type() == dtype && k.sizes() == v.sizes() &&
+                    k.dim() == 3 && k.size(0) == slots.size(0) && k.size(1) == k_cache.size(1) &&
+                    k.size(2) == k_cache.size(2),
+                "paged_decode: k and v are [W, KVH, d] rows of the caches' dtype");
+    TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1,
+                "paged_decode: slot_mapping [W] int64");
+    (dtype == at::kFloat ? run<F32, float> : run<BF16, at::BFloat16>)(
+        q, &k, &v, &slots, k_cache, v_cache, pages, ctx, out, scale, block_size);
+    return out;
+}
+
 }  // namespace
 
-#define GAPLESS_EXPORT(NAME, S)                                                                 \
-    extern "C" void NAME(const S::T *q, const S::T *k, const S::T *v, const int64_t *slots,     \
-                         int64_t num_writes, int64_t k_step, int64_t v_step, int64_t slot_step, \
-                         S::T *k_cache, S::T *v_cache, const int64_t *pages,                    \
-                         const int64_t *ctx, S::T *out, int64_t D, int64_t P, int64_t KVH,      \
-                         int64_t G, int64_t HD, int64_t BS, float scale, int threads) {         \
-        paged_decode<S>(q, k, v, slots, num_writes, k_step, v_step, slot_step, k_cache, v_cache, \
-                        pages, ctx, out, D, P,                                                  \
-                        KVH, G, HD, BS, scale, threads);                                        \
-    }
-
-GAPLESS_EXPORT(paged_decode_float32, F32)
-GAPLESS_EXPORT(paged_decode_bfloat16, BF16)
+TORCH_LIBRARY_IMPL(gapless, CPU, m) { m.impl("paged_decode", &paged_decode_op); }

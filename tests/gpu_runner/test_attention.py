@@ -123,6 +123,7 @@ def test_the_kernel_writes_the_step_s_rows_before_attending(dtype):
 def test_without_a_compiler_attention_stays_on_torch(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("GAPLESS_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(kernels, "_loaded", None)  # as a process that has not loaded it yet
     kernels.library.cache_clear()
     try:
         assert not kernels.available(torch.float32)
