@@ -7,13 +7,15 @@ size: the batch and the context are dynamic dimensions. Sizes of 1 are specializ
 compiler, so a batch of one and batches of two or more are two compilations; both are made
 at start, before the runner reports ready. Only a step's first layer is called through
 torch.compile; the others replay the graph it chose with their own weights (CompiledLayers),
-as a captured CUDA graph is replayed. Compiled code is cached on disk (inductor's FX graph
+as a captured CUDA graph is replayed, and a step like one before (its inputs the same in kind,
+shape and value) replays that graph from the first layer on. Compiled code is cached on disk (inductor's FX graph
 cache under `<cache dir>/inductor`, set in gpu_runner/__init__.py), so a warm start only
 traces. Prefill chunks and mixed steps stay eager.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 import time
@@ -66,7 +68,11 @@ class _Graph:
         self.fn = fn
         self.x = -1  # x's position; -1: the graph is not replayed
         self.per_layer: list[tuple[int, Any, bool]] = []  # position, source, float as tensor
+        self.step: list[int] = []  # positions of the step's inputs (x, cos, sin, meta's)
+        # the step's inputs from run_layer's locals, as dynamo gathers them; None: not fetched
+        self.fetch: Callable[[dict], tuple] | None = None
         x = -1
+        names: list[str] | None = []
         for pos, node in enumerate(n for n in gm.graph.nodes if n.op == "placeholder"):
             arg = node.meta.get("grapharg")
             root = _root(arg)
@@ -74,9 +80,18 @@ class _Graph:
                 return
             if root == "x" and arg.source.name == "L['x']":
                 x = pos
-            elif root in _PER_LAYER:
+            if root in _PER_LAYER:
                 self.per_layer.append((pos, arg.source, arg.pass_arg_as_tensor))
+            elif names is not None and not arg.pass_arg_as_tensor:
+                self.step.append(pos)
+                names.append(arg.source.name)
+            else:
+                names = None  # a step input passed in another form than its value
         self.x = x
+        if names is not None:
+            # why code of the sources' names: they are the expressions dynamo evaluates in the
+            # frame (L['meta'].decode_pages.size()[1]); Source.get_value evals each, ~10 us
+            self.fetch = eval(f"lambda L: ({''.join(n + ', ' for n in names)})")  # noqa: S307
 
     def inputs_of(self, layer, kv, first: tuple) -> list[tuple[int, object]] | None:
         """The layer's own inputs; None where they differ in kind from the first layer's
@@ -106,6 +121,27 @@ def _alike(a, b) -> bool:
             and a.device == b.device
         )
     return type(a) is type(b) and a == b
+
+
+def _signature(values: tuple, meta) -> tuple:
+    """What a compiled step's guards can read of its inputs: each tensor's kind, shape and
+    layout, each number's value, and every field of the attention metadata (a tensor by its
+    kind and shape, a list by its length, the rest by value)."""
+    if dataclasses.is_dataclass(meta):
+        fields = [getattr(meta, f.name) for f in dataclasses.fields(meta)]
+    elif hasattr(meta, "__dict__"):
+        fields = list(vars(meta).values())
+    else:
+        return (object(),)  # why: metadata of unknown fields never matches again
+    return tuple(_describe(v) for v in (*values, *fields))
+
+
+def _describe(v) -> object:
+    if isinstance(v, torch.Tensor):
+        return (v.dtype, v.shape, v.stride(), v.storage_offset(), v.device, v.requires_grad)
+    if isinstance(v, (list, tuple)):
+        return (type(v), len(v))
+    return (type(v), v)
 
 
 class CompiledLayers:
@@ -146,11 +182,16 @@ class CompiledLayers:
             options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe},
         )
         self._ran: list[tuple[_Graph, tuple]] = []  # graphs run by the call in progress
+        # the graph the compiler chose last, its inputs then, and the signatures of the steps
+        # it was chosen for (see _first_layer)
+        self._last: tuple[_Graph, tuple, set] | None = None
         # (graph, layer index) -> the layer and cache its inputs were found for, and them
         self._inputs: dict[tuple[_Graph, int], tuple[object, object, list | None]] = {}
         self.replay = True  # False: every layer through the compiler (to compare)
+        self.direct = True  # False: the first layer through the compiler (to compare)
         self.num_graphs = 0  # graphs compiled (or loaded from the cache)
         self.num_replayed = 0  # layers run by replay rather than through the compiler
+        self.num_direct = 0  # steps whose first layer, too, ran without the compiler
 
     def _backend(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
         from torch._inductor.compile_fx import compile_fx
@@ -175,15 +216,69 @@ class CompiledLayers:
         self._inputs[graph, i] = (layer, kv, found)
         return found
 
+    def _first_layer(self, layer, x, cos, sin, kv, meta) -> tuple[_Graph, tuple] | None:
+        """The graph and inputs for this step's first layer without the compiler, where the
+        compiler chose that graph for a step of the same signature before; else None.
+
+        why: dynamo's guards, cache lookup and input gathering took ~230 us of the first layer
+        (348 against 114 us for a replayed one, batch 1, default model); the same inputs in
+        kind, shape and value pass the same guards, so the graph they chose serves again."""
+        if self._last is None:
+            return None
+        graph, first, seen = self._last
+        values = graph.fetch({"layer": layer, "x": x, "cos": cos, "sin": sin, "kv": kv,
+                              "meta": meta})  # fmt: skip
+        if _signature(values, meta) not in seen:
+            return None
+        own = self._own_inputs(graph, 0, layer, kv, first)
+        if own is None:
+            return None
+        args = list(first)
+        for pos, value in zip(graph.step, values, strict=True):
+            args[pos] = value
+        for pos, value in own:
+            args[pos] = value
+        return graph, tuple(args)
+
+    def _chose(self, graph: _Graph, first: tuple, layer, x, cos, sin, kv, meta) -> None:
+        """Note the compiler's choice for this step, where the graph's step inputs can be
+        fetched: the same sources must give the very values dynamo passed."""
+        if graph.fetch is None or graph.x < 0:
+            return
+        values = graph.fetch({"layer": layer, "x": x, "cos": cos, "sin": sin, "kv": kv,
+                              "meta": meta})  # fmt: skip
+        same = all(
+            v is first[pos] if isinstance(v, torch.Tensor) else _alike(v, first[pos])
+            for pos, v in zip(graph.step, values, strict=True)
+        )
+        if not same:
+            graph.fetch = None
+            return
+        seen = self._last[2] if self._last is not None and self._last[0] is graph else set()
+        seen.add(_signature(values, meta))
+        self._last = (graph, first, seen)
+
     def __call__(self, layers, x, cos, sin, kv_cache, meta) -> torch.Tensor:
-        self._ran.clear()
-        x = self.compiled(layers[0], x, cos, sin, kv_cache[0], meta)
-        ran, self._ran = self._ran, []
-        if not self.replay or len(ran) != 1 or ran[0][0].x < 0:
-            for i in range(1, len(layers)):
-                x = self.compiled(layers[i], x, cos, sin, kv_cache[i], meta)
-            return x
-        graph, first = ran[0]
+        direct = (
+            self._first_layer(layers[0], x, cos, sin, kv_cache[0], meta)
+            if self.replay and self.direct
+            else None
+        )
+        if direct is not None:
+            graph, first = direct
+            x = graph.fn(*first)[0]
+            self.num_direct += 1
+        else:
+            self._ran.clear()
+            x0 = x
+            x = self.compiled(layers[0], x, cos, sin, kv_cache[0], meta)
+            ran, self._ran = self._ran, []
+            if not self.replay or len(ran) != 1 or ran[0][0].x < 0:
+                for i in range(1, len(layers)):
+                    x = self.compiled(layers[i], x, cos, sin, kv_cache[i], meta)
+                return x
+            graph, first = ran[0]
+            self._chose(graph, first, layers[0], x0, cos, sin, kv_cache[0], meta)
         pos_x = graph.x
         # why checked only here and after an eager layer: a replayed layer's output has the
         # first layer's shape and strides, being the same graph's over the same sizes

@@ -50,6 +50,8 @@ def test_compiled_greedy_equals_transformers(tiny_model_dir, reference, kernel):
         assert got[f"r{i}"] == want[i], f"request {i} (prompt {len(prompts[i])} tokens)"
     assert {1, 4, 8} <= set(sizes), f"decode batches of one and more compiled: {sizes}"
     assert _num_replayed(h.backend) > 0, "layers after the first replayed the compiled graph"
+    run_layers = h.backend.graphs.forward.keywords["run_layers"]
+    assert run_layers.num_direct > 0, "steps like one before skipped the compiler entirely"
 
 
 CHAT = "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
@@ -147,6 +149,33 @@ def test_replayed_layers_use_their_own_weights_and_fall_back_where_they_differ()
             torch.testing.assert_close(got_cache[0], want_cache[0])
     assert run.num_graphs == 2, "batches of 3 and of 1"
     assert run.num_replayed == 2 * 3, "layers 1 and 3 replayed each call; layer 2 did not"
+    assert run.num_direct == 1, "the second call's first layer took the graph of the first"
+
+
+class _Scaled(_Layer):
+    def forward(self, x, cos, sin, kv, meta):
+        return super().forward(x, cos, sin, kv, meta) * meta.scale  # a constant to the compiler
+
+
+def test_a_step_whose_metadata_differs_goes_through_the_compiler():
+    """The first layer skips the compiler only for a step like one it chose a graph for, in
+    its inputs and in every field of the metadata: here the same shapes with another constant
+    (which the compiler burns into the graph) must take another graph."""
+    from gapless.gpu_runner.compiled import CompiledLayers
+
+    gen = torch.Generator().manual_seed(0)
+    layers = [_Scaled(torch.randn(8, 8, generator=gen), 1e-5) for _ in range(3)]
+    run = CompiledLayers()
+    direct = []
+    for scale in (0.5, 0.5, 3.0, 3.0, 0.5):
+        meta = SimpleNamespace(slots=torch.tensor([1, 3]), scale=scale)
+        x, cos, sin = (torch.randn(2, 8, generator=gen) for _ in range(3))
+        want = _eager(layers, x, cos, sin, _caches((5, 5, 5)), meta)
+        before = run.num_direct
+        torch.testing.assert_close(run(layers, x, cos, sin, _caches((5, 5, 5)), meta), want)
+        direct.append(run.num_direct - before)
+    # the last 0.5 follows a 3.0: the compiler's guards choose, as the graph noted is 3.0's
+    assert direct == [0, 1, 0, 1, 0]
 
 
 class _Breaking(_Layer):
