@@ -2,9 +2,13 @@
 
 python -m gapless.bench.perplexity                          # every weight format, fp32 first
 python -m gapless.bench.perplexity --formats int4 -- --dtype bfloat16
+python -m gapless.bench.perplexity --decode                 # through decode steps, as served
 
 Each format is one runner built from `gapless serve` flags (after `--`) plus --dtype and
 --quantization; the text is one prompt, and every position's next-token log-likelihood counts.
+With --decode the text goes through one decode step per token instead, as one stream is served:
+the compiled step, and the weights and kernels of a one-row step (int4-dual's int4 layers and
+int8 output layer, which a prompt's many rows never reach).
 """
 
 from __future__ import annotations
@@ -51,12 +55,32 @@ def perplexity(runner, ids: list[int]) -> float:
     return math.exp(float(nll))
 
 
+@torch.inference_mode()
+def decode_perplexity(runner, ids: list[int]) -> float:
+    """perplexity(), each token fed by a decode step of its own (a one-row step)."""
+    streams = Streams(runner, 1, len(ids), 0)
+    nll = 0.0
+    for i, tok in enumerate(ids[:-1]):
+        plan = streams.plan(i == 0, [[tok]])
+        runner.begin(plan)
+        inp, meta = runner.prepare(plan)
+        logits = runner.run_model(inp, meta)[0].double()  # the row's next-token logits
+        nll -= float(logits.log_softmax(-1)[ids[i + 1]])
+    runner.begin(msgspec.structs.replace(plan, seq=plan.seq + 1, new_slots=[], freed_slots=[0],
+                                         slots=[], num_tokens=[], start_pos=[], has_tokens=[],
+                                         token_ids=[], sample=[], num_new_blocks=[],
+                                         new_blocks=[]))  # fmt: skip
+    runner.batch.num_blocks[:] = 0
+    return math.exp(nll / (len(ids) - 1))
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     split = argv.index("--") if "--" in argv else len(argv)
     p = argparse.ArgumentParser(prog="python -m gapless.bench.perplexity")
     p.add_argument("--formats", nargs="+", choices=list(FORMATS), default=list(FORMATS))
     p.add_argument("--text", type=Path, default=TEXT)
+    p.add_argument("--decode", action="store_true", help="one decode step per token (see above)")
     args = p.parse_args(argv[:split])
     from gapless.gpu_runner.runner import ModelRunner
 
@@ -67,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
         start = time.perf_counter()
         runner = ModelRunner(runner_config(serve, 1, 4096))
         ids = text_ids(runner, args.text)
-        ppl = perplexity(runner, ids)
+        ppl = (decode_perplexity if args.decode else perplexity)(runner, ids)
         reference = reference or ppl
         print(f"{name:>10}: perplexity {ppl:8.4f}  ({ppl / reference - 1:+.2%} of {args.formats[0]})"
               f"  {len(ids)} tokens, {time.perf_counter() - start:.1f} s", flush=True)  # fmt: skip

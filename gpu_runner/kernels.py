@@ -41,7 +41,7 @@ from gapless.core.common.model_cache import cache_dir
 
 log = logging.getLogger("gapless.gpu_runner")
 
-SOURCE = Path(__file__).with_name("paged_decode.cpp")
+SOURCES = [Path(__file__).with_name(name) for name in ("paged_decode.cpp", "int8_matvec.cpp")]
 FLAGS = ["-O3", "-march=native", "-std=c++20", "-fPIC", "-fopenmp"]
 DTYPES = (torch.float32, torch.bfloat16)
 
@@ -73,7 +73,7 @@ def _build(out: Path) -> None:
     runtime = _openmp_runtime()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(f".{os.getpid()}.tmp")
-    obj = tmp.with_suffix(".o")
+    objs = [tmp.with_suffix(f".{source.stem}.o") for source in SOURCES]
     # why compile and link apart: `-fopenmp` at link time names the system's libgomp, a second
     # runtime beside the one torch loaded, whose threads would fight torch's for the cores
     link = [runtime] if runtime else ["-fopenmp"]
@@ -85,16 +85,18 @@ def _build(out: Path) -> None:
     torch_libs = [f"-L{p}" for p in libs] + [f"-Wl,-rpath,{p}" for p in libs]
     torch_libs += ["-lc10", "-ltorch_cpu"]
     try:
-        subprocess.run([compiler, *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes, "-c",
-                        str(SOURCE), "-o", str(obj)],
-                       check=True, capture_output=True, text=True)  # fmt: skip
-        subprocess.run([compiler, "-shared", str(obj), *link, *torch_libs, "-o", str(tmp)],
+        for source, obj in zip(SOURCES, objs, strict=True):
+            subprocess.run([compiler, *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes,
+                            "-c", str(source), "-o", str(obj)],
+                           check=True, capture_output=True, text=True)  # fmt: skip
+        subprocess.run([compiler, "-shared", *map(str, objs), *link, *torch_libs, "-o", str(tmp)],
                        check=True, capture_output=True, text=True)  # fmt: skip
         os.replace(tmp, out)  # why: runners that start together each build, one file wins
     except subprocess.CalledProcessError as e:
         raise RuntimeError(f"{' '.join(map(str, e.cmd))} failed:\n{e.stderr}") from e
     finally:
-        obj.unlink(missing_ok=True)
+        for obj in objs:
+            obj.unlink(missing_ok=True)
         tmp.unlink(missing_ok=True)
 
 
@@ -112,6 +114,16 @@ def _(q, k, v, k_cache, v_cache, slot_mapping, pages, ctx, scale, block_size):
     return q.new_empty(q.shape)  # contiguous, as the kernel's output
 
 
+# y = x W^T, W [N, K] int8 stored as uint8 (w + 128), float32 scales [N] -> [M, N] float32;
+# registered only where the compiler targets AVX-512 VNNI (int8_matvec.cpp)
+_LIB.define("int8_vnni_mm(Tensor x, Tensor weight, Tensor scales) -> Tensor")
+
+
+@torch.library.register_fake("gapless::int8_vnni_mm")
+def _(x, weight, scales):
+    return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
+
+
 _loaded: Path | None = None  # the library this process loaded; the operator is registered once
 
 
@@ -123,12 +135,12 @@ def library() -> Path | None:
     if _loaded is not None:
         return _loaded
     key = hashlib.sha256(
-        SOURCE.read_bytes()
+        b"".join(source.read_bytes() for source in SOURCES)
         + " ".join(FLAGS).encode()
         + torch.__version__.encode()
         + _cpu_features().encode()
     ).hexdigest()[:16]
-    path = cache_dir() / "kernels" / f"paged_decode-{key}.so"
+    path = cache_dir() / "kernels" / f"cpu_kernels-{key}.so"
     try:
         if not path.exists():
             log.info("building the cpu attention kernel (once, ~10 s): %s", path)
@@ -143,6 +155,13 @@ def library() -> Path | None:
 
 def available(dtype: torch.dtype) -> bool:
     return dtype in DTYPES and library() is not None
+
+
+def has_int8_vnni() -> bool:
+    """Whether int8_vnni_mm runs here (the library built for a CPU with AVX-512 VNNI)."""
+    return library() is not None and torch._C._dispatch_has_kernel_for_dispatch_key(
+        "gapless::int8_vnni_mm", "CPU"
+    )
 
 
 def paged_decode(

@@ -29,6 +29,7 @@ from gguf import GGMLQuantizationType
 from torch import nn
 
 from gapless.core.common.model_files import ModelArch, read_gguf
+from gapless.gpu_runner import kernels
 from gapless.gpu_runner.model import FUSED
 
 log = logging.getLogger("gapless.gpu_runner")
@@ -52,6 +53,8 @@ KERNEL_DTYPE = torch.bfloat16
 # widened 349 ms at 128 and 986 at 512 (the widening ~100 ms of it), float32 weights
 # 148 / 250 / 873 (`python -m gapless.bench.floor --batch 32 64 128 512 --format int8-fp32 fp32`).
 DENSE_ROWS = 64
+# False: int8 layers keep torch's kernel for single rows too (to compare; see Int8Linear)
+INT8_VNNI = True
 # why 63: on x86 without VNNI, fbgemm multiplies 8-bit activations (0..255) by 8-bit weights
 # pairwise into 16 bits, which saturate past 32767; 2 * 255 * 63 cannot. The alternative, 7-bit
 # activations (fbgemm's reduce_range), cost the default model +11% perplexity against +0.40%
@@ -66,17 +69,34 @@ QUANTIZED = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 class Int8Linear(nn.Module):
-    """y = x W^T (+ b), W [N, K] int8 with one scale per output row."""
+    """y = x W^T (+ b), W [N, K] int8 with one scale per output row.
+
+    A single row, where the CPU has AVX-512 VNNI, goes through gapless::int8_vnni_mm
+    (gpu_runner/int8_matvec.cpp), which quantizes the row to 8 bits per block of 32 and takes
+    int8 x int8 products; it keeps its own copy of the weights, biased to uint8 (`vnni`).
+    why: torch's weight-only kernel widens each weight to float, and at one row that is most
+    of its time: the default model's output layer (49152 x 576) took 0.96 ms with its weights
+    in memory, 0.75 ms this way (0.64 / 0.46 in cache; AVX-512 EPYC, 2 threads; per-row timings
+    in bench/RESULTS.md). At 2 to 16 rows torch's kernel is as fast or faster, so it keeps them.
+    """
 
     def __init__(self, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         self.register_buffer("weight", weight)  # [N, K] int8
         self.register_buffer("scales", scales)  # [N], KERNEL_DTYPE
         self.bias = bias
+        vnni = INT8_VNNI and weight.shape[1] % 64 == 0 and kernels.has_int8_vnni()
+        biased = (weight.to(torch.int16) + 128).to(torch.uint8) if vnni else None
+        self.register_buffer("vnni", biased)  # [N, K] uint8, weight + 128; or None
+        self.register_buffer("vnni_scales", scales.float() if vnni else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         flat = x.reshape(-1, x.shape[-1])
+        if self.vnni is not None and flat.shape[0] == 1:
+            y = torch.ops.gapless.int8_vnni_mm(flat, self.vnni, self.vnni_scales)
+            y = y.view(*lead, self.weight.shape[0]).to(x.dtype)
+            return y if self.bias is None else y + self.bias
         if flat.shape[0] > DENSE_ROWS and not torch.compiler.is_compiling():
             # a prefill chunk: the weights widened once beat the kernel's rows (DENSE_ROWS)
             w = self.weight.to(x.dtype) * self.scales.to(x.dtype)[:, None]

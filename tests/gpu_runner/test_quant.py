@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from gapless.bench.cpu_step import Streams, runner_config
 from gapless.bench.perplexity import perplexity
 from gapless.core.common.model_files import load_arch, load_tokenizer, resolve_model
+from gapless.gpu_runner import kernels
 from gapless.gpu_runner.quant import (
     DENSE_ROWS,
     KERNEL_DTYPE,
@@ -33,7 +34,7 @@ def _bf16(t: torch.Tensor) -> torch.Tensor:
     return t.to(KERNEL_DTYPE).float()
 
 
-@pytest.mark.parametrize("rows", [5, DENSE_ROWS + 1], ids=["kernel", "widened"])
+@pytest.mark.parametrize("rows", [1, 5, DENSE_ROWS + 1], ids=["one-row", "kernel", "widened"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int8_linear_is_the_per_row_dequantized_product(dtype: torch.dtype, rows: int) -> None:
     gen = torch.Generator().manual_seed(0)
@@ -44,10 +45,34 @@ def test_int8_linear_is_the_per_row_dequantized_product(dtype: torch.dtype, rows
     )
     q, scale = int8_rows(w)
     assert (w - q.float() * scale[:, None]).abs().max() <= scale.max() / 2 + 1e-6
-    got = Int8Linear(q, scale.to(KERNEL_DTYPE), b.to(dtype))(x.to(dtype))
+    layer = Int8Linear(q, scale.to(KERNEL_DTYPE), b.to(dtype))
+    assert (layer.vnni is not None) == kernels.has_int8_vnni()
+    got = layer(x.to(dtype))
     assert got.dtype == dtype, "the activations keep their dtype around the kernel"
     want = F.linear(_bf16(x), q.float() * _bf16(scale)[:, None], b)
-    assert torch.allclose(got.float(), want, rtol=2e-2, atol=5e-2)
+    if layer.vnni is not None and rows == 1:  # x rounded to 8 bits too (see the test below)
+        _rows_close(got.float(), want, 1e-2)
+    else:
+        assert torch.allclose(got.float(), want, rtol=2e-2, atol=5e-2)
+
+
+@pytest.mark.skipif(not kernels.has_int8_vnni(), reason="needs a CPU with AVX-512 VNNI")
+@pytest.mark.parametrize("rows", [1, 3])
+def test_int8_vnni_mm_is_the_product_of_block_quantized_rows(rows: int) -> None:
+    """Each row of x is rounded to int8 per block of 32 columns (scale max |x| / 127); the
+    products are then exact integers, so the result is that formula's up to float sums."""
+    gen = torch.Generator().manual_seed(2)
+    n, k = 37, 192  # rows not a multiple of the kernel's four, three pairs of blocks
+    w, x = torch.randn(n, k, generator=gen), torch.randn(rows, k, generator=gen) * 3
+    x[0, :32] = 0.0  # a block of zeros has scale 0
+    q, scale = int8_rows(w)
+    got = torch.ops.gapless.int8_vnni_mm(x, (q.to(torch.int16) + 128).to(torch.uint8), scale)
+    blocks = x.view(rows, k // 32, 32)
+    dx = blocks.abs().amax(-1, keepdim=True) / 127
+    xq = torch.where(dx > 0, torch.round(blocks / dx), 0.0)
+    want = ((xq * dx).view(rows, k).double() @ q.double().T) * scale.double()
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
+    assert (got - x @ (q.float() * scale[:, None]).T).abs().max() < 0.05 * want.abs().max()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
