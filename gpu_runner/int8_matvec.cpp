@@ -112,13 +112,19 @@ at::Tensor int8_vnni_mm(const at::Tensor &x_in, const at::Tensor &u, const at::T
     const float *s = scales.data_ptr<float>();
     float *out = y.data_ptr<float>();
     // why tiles of TILE weight rows: each x row passes over a tile while it is in L2 (147 KB
-    // at K = 576), so the weights are read from memory once whatever M
+    // at K = 576), so the weights are read from memory once whatever M. why taken one by one
+    // rather than split in halves: a thread the OS parks (the server's other processes share
+    // the cores) leaves its tiles to the other instead of holding the call up (the output
+    // layer beside a busy loop: 2.33 ms, torch's kernel, split in halves, 3.82; quiet 0.71
+    // and 0.96)
     constexpr int64_t TILE = 256;
-    at::parallel_for(0, N, TILE, [&](int64_t begin, int64_t end) {
-        for (int64_t t = begin; t < end; t += TILE)
-            for (int64_t m = 0; m < M; m++)
-                rows_of(w, s, xq[m], K, t, t + TILE < end ? t + TILE : end, out + m * N);
-    });
+    const int64_t tiles = (N + TILE - 1) / TILE;
+    const int threads = at::get_num_threads();
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (threads > 1)
+    for (int64_t t = 0; t < tiles; t++) {
+        const int64_t n0 = t * TILE, n1 = n0 + TILE < N ? n0 + TILE : N;
+        for (int64_t m = 0; m < M; m++) rows_of(w, s, xq[m], K, n0, n1, out + m * N);
+    }
     return y;
 }
 
