@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from gapless.bench.cpu_step import Streams, runner_config
-from gapless.bench.perplexity import perplexity
+from gapless.bench.perplexity import decode_perplexity, perplexity
 from gapless.core.common.model_files import load_arch, load_tokenizer, resolve_model
 from gapless.gpu_runner import kernels
 from gapless.gpu_runner.quant import (
@@ -235,6 +235,8 @@ def test_quantized_formats_keep_perplexity_within_2_percent_and_say_paris(defaul
         runner = ModelRunner(runner_config(args, 1, 256))
         tok = load_tokenizer(runner.config.model)
         ppl[quant] = perplexity(runner, tok.encode(text).ids)
+        if quant in ("int8", "int4-dual"):  # also through one-row steps, as one stream is served
+            ppl[f"{quant} decode"] = decode_perplexity(runner, tok.encode(text).ids)
         prompt = tok.encode(
             "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
         ).ids
@@ -245,7 +247,7 @@ def test_quantized_formats_keep_perplexity_within_2_percent_and_say_paris(defaul
     # why w8a8's bound only where auto picks it (x86 without bfloat16 instructions): there it
     # measured +0.40% on bench/data/perplexity.txt; on an AVX-512 VNNI / BF16 EPYC, where auto
     # picks bfloat16 instead, the same layers measured +2.29% (+2.96% on this text)
-    bounded = ["int8", "int4", "int4-dual"]
+    bounded = ["int8", "int4", "int4-dual", "int8 decode", "int4-dual decode"]
     if resolve_quantization("auto", "auto", "cpu") == "w8a8":
         bounded.append("w8a8")
     for quant in bounded:
