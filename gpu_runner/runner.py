@@ -365,8 +365,9 @@ class ModelRunner:
             constrain = lambda x, inplace: self.grammar.apply(x, host, inplace)  # noqa: E731
         out = self.sampler.sample(logits, slots, positions, host, constrain)
         self.batch.last_token[slots] = out.token_ids
-        self.sampler.record(slots, positions, out.token_ids, host)
-        self.grammar.remember(host, out.token_ids)
+        if not out.plain:  # plain: no penalty, bad word or grammar keeps count of outputs
+            self.sampler.record(slots, positions, out.token_ids, host)
+            self.grammar.remember(host, out.token_ids)
         return out
 
     @torch.inference_mode()

@@ -8,6 +8,7 @@ samples the same tokens whatever batch or slot it lands in, with no per-row gene
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -98,6 +99,8 @@ class BatchFlags:
     top_p_within_top_k: bool  # every sampled row with top_p also has top_k
     any_min_p: bool
     max_logprobs: int  # -1: no row asked; 0: sampled token only; k: also the top k
+    # every row greedy, with no penalty, logprobs or logit rule: the argmax is all there is
+    plain: bool = False
 
 
 @dataclass(frozen=True)
@@ -106,6 +109,7 @@ class SampleOutput:
     logprobs: torch.Tensor | None  # [B] float32, raw model log-softmax; None if nobody asked
     top_ids: torch.Tensor  # [B, K] int64, K = max requested top logprobs in the batch (may be 0)
     top_logprobs: torch.Tensor  # [B, K] float32, sorted descending per row
+    plain: bool = False  # the batch's flags were plain: nothing for record() to count
 
 
 class SamplerState:
@@ -237,6 +241,8 @@ class SamplerState:
             any_min_p=bool((fp[sampled, _MIN_P] > 0.0).any()),
             max_logprobs=int(self._num_logprobs[index].max(initial=-1)),
         )
+        if flags.all_greedy and not flags.any_penalty and flags.max_logprobs < 0:
+            flags = dataclasses.replace(flags, plain=not self.rules.has_any[index].any())
         self._flags = (key, flags)
         return flags
 
@@ -305,6 +311,18 @@ class SamplerState:
         """
         self._push()
         flags = self.flags(host_slots)
+        if flags.plain and constrain is None:
+            # why a path of its own: one stream's steps are mostly this, and each call skipped
+            # below is a few us with the caches cold after the forward
+            self._step.add_(1)
+            batch = logits.shape[0]
+            return SampleOutput(
+                _argmax(logits.float()),
+                None,
+                torch.empty((batch, 0), dtype=torch.int64, device=logits.device),
+                torch.empty((batch, 0), dtype=torch.float32, device=logits.device),
+                plain=True,
+            )
         logits = logits.float()
         adjusted = logits
         inplace = flags.max_logprobs < 0
