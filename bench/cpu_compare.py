@@ -11,10 +11,10 @@ printed with every figure, so a figure taken under load says so):
    on the same GGUF with `-np 32`; each server five times, each run with prompts of its own
    (the medians).
 2. One stream of 128:256 through HTTP: decode tokens/s (1 / TPOT) of gapless and llama-server,
-   both servers up and taking turns five times (the medians).
+   both servers up and taking turns five times (the median of the turns' ratios).
 3. The decode step at batch 32 against the floor script's matmuls alone for the same format
    (`bench.cpu_step` and `bench.floor`, in their own processes, five of each in turn; the
-   medians' ratio).
+   median of the pairs' ratios).
 4. One stream of 128:256 while two `nice -n 19` busy loops run, against the quiet figure of 2.
 Each HTTP run is `gapless bench` (token-id prompts, EOS ignored, streaming); the JSON of every
 run and the summary land in --out.
@@ -178,8 +178,10 @@ def main(argv: list[str] | None = None) -> None:
             results[f"transformers generate {dtype} 32x128:128"] = {"output_tok_s": tok_s}
     if "floor" not in args.skip:
         # why pairs: this VM has spells ~25% slower that last a minute or so (the floor read
-        # 28.5 then 20.3 ms a few minutes apart); a floor and a step taken in turn, three
-        # times, put both sides in the same spells, and each pair's ratio is kept. Why three
+        # 28.5 then 20.3 ms a few minutes apart); a floor and a step taken in turn put both
+        # sides in the same spells, and the figure is the median of the pairs' ratios (the
+        # medians' ratio read 1.62x where the pairs read 1.65, 1.38, 1.32, 1.33, 1.29x: three
+        # steps fell in a slow spell, their floors mostly not). Why three
         # runs a step: one run alone read 37.4, 28.5 and 29.3 ms in three quiet pairs, while
         # within one process the first of three runs was often the slowest
         dtype, quant = FORMATS[args.format]
@@ -212,18 +214,33 @@ def _summary(r: dict[str, dict]) -> dict[str, float | None]:
         for d in ("bfloat16", "float32")
     ]
     step = r.get("batch-32 decode step", {})
+    pairs = step.get("pairs_ms")
+    floor_over_step = (
+        statistics.median(f / s for f, s in pairs)
+        if pairs
+        else _ratio(step.get("floor_ms"), step.get("step_ms"))
+    )
+    ours, theirs = (
+        r.get(f"{n} 1x128:256", {}).get("runs_tok_s") for n in ("gapless", "llama-server")
+    )
+    one_stream = (
+        statistics.median(a / b for a, b in zip(ours, theirs, strict=True))
+        if ours and theirs and len(ours) == len(theirs)
+        else _ratio(
+            get("gapless 1x128:256", "decode_tok_s"), get("llama-server 1x128:256", "decode_tok_s")
+        )
+    )
     return {
         "32x128:128 gapless / transformers": _ratio(
             get("gapless 32x128:128", "output_tok_s"), max((x for x in hf if x), default=None)
         ),
-        "one stream gapless / llama-server": _ratio(
-            get("gapless 1x128:256", "decode_tok_s"), get("llama-server 1x128:256", "decode_tok_s")
-        ),
+        # each the median of ratios of turns taken side by side, where the runs were kept
+        "one stream gapless / llama-server": one_stream,
         "32x128:128 gapless / llama-server -np 32": _ratio(
             get("gapless 32x128:128", "output_tok_s"),
             get("llama-server -np 32 32x128:128", "output_tok_s"),
         ),
-        "batch-32 step floor / gapless": _ratio(step.get("floor_ms"), step.get("step_ms")),
+        "batch-32 step floor / gapless": floor_over_step,
         "one stream under 2 hogs / quiet": _ratio(
             get("gapless 1x128:256 under 2 hogs", "decode_tok_s"),
             get("gapless 1x128:256", "decode_tok_s"),

@@ -8,9 +8,9 @@ compiler, so a batch of one and batches of two or more are two compilations; bot
 at start, before the runner reports ready. Only a step's first layer is called through
 torch.compile; the others replay the graph it chose with their own weights (CompiledLayers),
 as a captured CUDA graph is replayed, and a step like one before (its inputs the same in kind,
-shape and value) replays that graph from the first layer on. Compiled code is cached on disk (inductor's FX graph
-cache under `<cache dir>/inductor`, set in gpu_runner/__init__.py), so a warm start only
-traces. Prefill chunks and mixed steps stay eager.
+shape and value) replays that graph from the first layer on. Compiled code is cached on disk
+(inductor's FX graph cache under `<cache dir>/inductor`, set in gpu_runner/__init__.py), so a
+warm start only traces. Prefill chunks and mixed steps stay eager.
 """
 
 from __future__ import annotations
@@ -91,7 +91,21 @@ class _Graph:
         if names is not None:
             # why code of the sources' names: they are the expressions dynamo evaluates in the
             # frame (L['meta'].decode_pages.size()[1]); Source.get_value evals each, ~10 us
-            self.fetch = eval(f"lambda L: ({''.join(n + ', ' for n in names)})")  # noqa: S307
+            try:
+                self.fetch = eval(f"lambda L: ({''.join(n + ', ' for n in names)})")  # noqa: S307
+            except SyntaxError:
+                self.fetch = None
+
+    def fetched(self, frame: dict) -> tuple | None:
+        """The step's inputs of this graph from run_layer's locals; None where they cannot be
+        fetched (then the compiler gathers them, as it always can)."""
+        if self.fetch is None:
+            return None
+        try:
+            return self.fetch(frame)
+        except (AttributeError, KeyError, IndexError, TypeError, NameError):
+            self.fetch = None
+            return None
 
     def inputs_of(self, layer, kv, first: tuple) -> list[tuple[int, object]] | None:
         """The layer's own inputs; None where they differ in kind from the first layer's
@@ -220,15 +234,15 @@ class CompiledLayers:
         """The graph and inputs for this step's first layer without the compiler, where the
         compiler chose that graph for a step of the same signature before; else None.
 
-        why: dynamo's guards, cache lookup and input gathering took ~230 us of the first layer
-        (348 against 114 us for a replayed one, batch 1, default model); the same inputs in
+        why: dynamo's guards, cache lookup and input gathering took ~140 us of the first
+        layer's ~350 (a replayed layer took 114; batch 1, default model); the same inputs in
         kind, shape and value pass the same guards, so the graph they chose serves again."""
         if self._last is None:
             return None
         graph, first, seen = self._last
-        values = graph.fetch({"layer": layer, "x": x, "cos": cos, "sin": sin, "kv": kv,
-                              "meta": meta})  # fmt: skip
-        if _signature(values, meta) not in seen:
+        values = graph.fetched({"layer": layer, "x": x, "cos": cos, "sin": sin, "kv": kv,
+                                "meta": meta})  # fmt: skip
+        if values is None or _signature(values, meta) not in seen:
             return None
         own = self._own_inputs(graph, 0, layer, kv, first)
         if own is None:
@@ -243,16 +257,18 @@ class CompiledLayers:
     def _chose(self, graph: _Graph, first: tuple, layer, x, cos, sin, kv, meta) -> None:
         """Note the compiler's choice for this step, where the graph's step inputs can be
         fetched: the same sources must give the very values dynamo passed."""
-        if graph.fetch is None or graph.x < 0:
+        if graph.x < 0:
             return
-        values = graph.fetch({"layer": layer, "x": x, "cos": cos, "sin": sin, "kv": kv,
-                              "meta": meta})  # fmt: skip
-        same = all(
+        values = graph.fetched({"layer": layer, "x": x, "cos": cos, "sin": sin, "kv": kv,
+                                "meta": meta})  # fmt: skip
+        same = values is not None and all(
             v is first[pos] if isinstance(v, torch.Tensor) else _alike(v, first[pos])
             for pos, v in zip(graph.step, values, strict=True)
         )
         if not same:
             graph.fetch = None
+            if self._last is not None and self._last[0] is graph:
+                self._last = None
             return
         seen = self._last[2] if self._last is not None and self._last[0] is graph else set()
         seen.add(_signature(values, meta))

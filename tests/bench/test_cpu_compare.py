@@ -22,3 +22,20 @@ def test_each_figure_is_the_ratio_the_issue_asks_and_a_skipped_part_shows_a_dash
     assert "| 32x128:128 gapless / transformers | 1.60 | >= 2.00 | no |" in table
     assert "| one stream gapless / llama-server | - | >= 1.00 | - |" in table
     assert "| batch-32 step floor / gapless | 0.50 | >= 0.67 | no |" in table
+
+
+def test_turns_taken_side_by_side_count_by_the_median_of_their_ratios():
+    """A slow spell that takes one side of a pair takes the medians' ratio with it; the pairs'
+    ratios keep the spell to one pair."""
+    results = {
+        "gapless 1x128:256": {"runs_tok_s": [180.0, 150.0, 160.0]},
+        "llama-server 1x128:256": {"runs_tok_s": [160.0, 160.0, 160.0]},
+        "batch-32 decode step": {
+            "step_ms": 34.0,
+            "floor_ms": 21.0,
+            "pairs_ms": [[20.0, 34.0], [26.0, 35.0], [20.0, 27.0], [21.0, 27.0], [26.0, 34.0]],
+        },
+    }
+    s = _summary(results)
+    assert s["one stream gapless / llama-server"] == 1.0, "ratios 1.125, 0.9375, 1.0"
+    assert s["batch-32 step floor / gapless"] == 26 / 35, "ratios .59 .74 .743 .76 .78"

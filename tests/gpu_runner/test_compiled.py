@@ -178,6 +178,34 @@ def test_a_step_whose_metadata_differs_goes_through_the_compiler():
     assert direct == [0, 1, 0, 1, 0]
 
 
+def test_a_step_whose_inputs_cannot_be_fetched_goes_through_the_compiler():
+    """Where the step's inputs cannot be fetched from their sources (here a fetch that
+    fails), the first layer takes the compiler, as it always can, and fetching stops."""
+    from gapless.gpu_runner.compiled import CompiledLayers
+
+    gen = torch.Generator().manual_seed(0)
+    layers = [_Layer(torch.randn(8, 8, generator=gen), 1e-5) for _ in range(3)]
+    meta = SimpleNamespace(slots=torch.tensor([1, 3]))
+    run = CompiledLayers()
+
+    def step():
+        x, cos, sin = (torch.randn(2, 8, generator=gen) for _ in range(3))
+        want = _eager(layers, x, cos, sin, _caches((5, 5, 5)), meta)
+        torch.testing.assert_close(run(layers, x, cos, sin, _caches((5, 5, 5)), meta), want)
+
+    step()
+    graph = run._last[0]
+
+    def broken(frame):
+        raise KeyError("meta")
+
+    graph.fetch = broken
+    step()
+    step()
+    assert run.num_direct == 0 and graph.fetch is None
+    assert run.num_replayed == 3 * 2, "the other layers still replay"
+
+
 class _Breaking(_Layer):
     def forward(self, x, cos, sin, kv, meta):
         h = x * 2
