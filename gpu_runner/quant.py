@@ -76,9 +76,10 @@ class Int8Linear(nn.Module):
     int8 x int8 products; it keeps its own copy of the weights, biased to uint8 (`vnni`).
     why: torch's weight-only kernel widens each weight to float, and at one row that is most
     of its time: the default model's output layer (49152 x 576) took 0.96 ms with its weights
-    in memory, 0.75 ms this way (0.64 / 0.46 in cache; AVX-512 EPYC, 2 threads; per-row timings
-    in bench/RESULTS.md). At 2 to 16 rows torch's kernel is as fast or faster, so it keeps them.
-    """
+    in memory, 0.71-0.75 ms this way (0.66 / 0.46 in cache; AVX-512 EPYC, 2 threads; more in
+    bench/RESULTS.md). At 2 to 16 rows torch's kernel is as fast or faster, so it keeps them.
+    The copy doubles an int8 layer's bytes in memory (the output layer: +28 MB), never those
+    a step reads."""
 
     def __init__(self, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
