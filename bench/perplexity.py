@@ -47,12 +47,17 @@ def perplexity(runner, ids: list[int]) -> float:
     logits = runner.forward(num, meta, num)  # [T, vocab] float32
     target = torch.tensor(ids[1:])
     nll = torch.nn.functional.cross_entropy(logits[:-1].double(), target)
+    _free(runner, plan)
+    return math.exp(float(nll))
+
+
+def _free(runner, plan) -> None:
+    """Free the text's slot after its last plan, so the runner takes another text."""
     runner.begin(msgspec.structs.replace(plan, seq=plan.seq + 1, new_slots=[], freed_slots=[0],
                                          slots=[], num_tokens=[], start_pos=[], has_tokens=[],
                                          token_ids=[], sample=[], num_new_blocks=[],
                                          new_blocks=[]))  # fmt: skip
     runner.batch.num_blocks[:] = 0
-    return math.exp(float(nll))
 
 
 @torch.inference_mode()
@@ -66,11 +71,7 @@ def decode_perplexity(runner, ids: list[int]) -> float:
         inp, meta = runner.prepare(plan)
         logits = runner.run_model(inp, meta)[0].double()  # the row's next-token logits
         nll -= float(logits.log_softmax(-1)[ids[i + 1]])
-    runner.begin(msgspec.structs.replace(plan, seq=plan.seq + 1, new_slots=[], freed_slots=[0],
-                                         slots=[], num_tokens=[], start_pos=[], has_tokens=[],
-                                         token_ids=[], sample=[], num_new_blocks=[],
-                                         new_blocks=[]))  # fmt: skip
-    runner.batch.num_blocks[:] = 0
+    _free(runner, plan)
     return math.exp(nll / (len(ids) - 1))
 
 

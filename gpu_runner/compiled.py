@@ -230,7 +230,7 @@ class CompiledLayers:
         self._inputs[graph, i] = (layer, kv, found)
         return found
 
-    def _first_layer(self, layer, x, cos, sin, kv, meta) -> tuple[_Graph, tuple] | None:
+    def _first_layer(self, frame: dict) -> tuple[_Graph, tuple] | None:
         """The graph and inputs for this step's first layer without the compiler, where the
         compiler chose that graph for a step of the same signature before; else None.
 
@@ -240,11 +240,10 @@ class CompiledLayers:
         if self._last is None:
             return None
         graph, first, seen = self._last
-        values = graph.fetched({"layer": layer, "x": x, "cos": cos, "sin": sin, "kv": kv,
-                                "meta": meta})  # fmt: skip
-        if values is None or _signature(values, meta) not in seen:
+        values = graph.fetched(frame)
+        if values is None or _signature(values, frame["meta"]) not in seen:
             return None
-        own = self._own_inputs(graph, 0, layer, kv, first)
+        own = self._own_inputs(graph, 0, frame["layer"], frame["kv"], first)
         if own is None:
             return None
         args = list(first)
@@ -254,13 +253,12 @@ class CompiledLayers:
             args[pos] = value
         return graph, tuple(args)
 
-    def _chose(self, graph: _Graph, first: tuple, layer, x, cos, sin, kv, meta) -> None:
+    def _chose(self, graph: _Graph, first: tuple, frame: dict) -> None:
         """Note the compiler's choice for this step, where the graph's step inputs can be
         fetched: the same sources must give the very values dynamo passed."""
         if graph.x < 0:
             return
-        values = graph.fetched({"layer": layer, "x": x, "cos": cos, "sin": sin, "kv": kv,
-                                "meta": meta})  # fmt: skip
+        values = graph.fetched(frame)
         same = values is not None and all(
             v is first[pos] if isinstance(v, torch.Tensor) else _alike(v, first[pos])
             for pos, v in zip(graph.step, values, strict=True)
@@ -271,22 +269,20 @@ class CompiledLayers:
                 self._last = None
             return
         seen = self._last[2] if self._last is not None and self._last[0] is graph else set()
-        seen.add(_signature(values, meta))
+        seen.add(_signature(values, frame["meta"]))
         self._last = (graph, first, seen)
 
     def __call__(self, layers, x, cos, sin, kv_cache, meta) -> torch.Tensor:
-        direct = (
-            self._first_layer(layers[0], x, cos, sin, kv_cache[0], meta)
-            if self.replay and self.direct
-            else None
-        )
+        # the first layer's locals, as dynamo's sources name run_layer's
+        frame = {"layer": layers[0], "x": x, "cos": cos, "sin": sin, "kv": kv_cache[0],
+                 "meta": meta}  # fmt: skip
+        direct = self._first_layer(frame) if self.replay and self.direct else None
         if direct is not None:
             graph, first = direct
             x = graph.fn(*first)[0]
             self.num_direct += 1
         else:
             self._ran.clear()
-            x0 = x
             x = self.compiled(layers[0], x, cos, sin, kv_cache[0], meta)
             ran, self._ran = self._ran, []
             if not self.replay or len(ran) != 1 or ran[0][0].x < 0:
@@ -294,7 +290,7 @@ class CompiledLayers:
                     x = self.compiled(layers[i], x, cos, sin, kv_cache[i], meta)
                 return x
             graph, first = ran[0]
-            self._chose(graph, first, layers[0], x0, cos, sin, kv_cache[0], meta)
+            self._chose(graph, first, frame)
         pos_x = graph.x
         # why checked only here and after an eager layer: a replayed layer's output has the
         # first layer's shape and strides, being the same graph's over the same sizes

@@ -62,36 +62,30 @@ void quantize_row(const float *x, int64_t K, Quantized &out) {
 
 inline float hsum(__m512 v) { return _mm512_reduce_add_ps(v); }
 
+// y[n] for R weight rows from n and one quantized row of x: R independent sums
+template <int R>
+void rows(const uint8_t *u, const float *scales, const Quantized &xq, int64_t K, int64_t n,
+          float *y) {
+    __m512 acc[R];
+    for (int r = 0; r < R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < K / 64; p++) {
+        const __m512i q = _mm512_loadu_si512(xq.q.data() + p * 64);
+        const __m512 dx = _mm512_loadu_ps(xq.dxv.data() + p * 16);
+        for (int r = 0; r < R; r++) {
+            const __m512i w = _mm512_loadu_si512(u + (n + r) * K + p * 64);
+            const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, q);
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), dx, acc[r]);
+        }
+    }
+    for (int r = 0; r < R; r++) y[n + r] = scales[n + r] * (hsum(acc[r]) - xq.bias);
+}
+
 // y[n] for rows n0..n1 of the weights and one quantized row of x
 void rows_of(const uint8_t *u, const float *scales, const Quantized &xq, int64_t K, int64_t n0,
              int64_t n1, float *y) {
-    const int64_t pairs = K / 64;
     int64_t n = n0;
-    for (; n + ROWS <= n1; n += ROWS) {
-        __m512 acc[ROWS];
-        for (int r = 0; r < ROWS; r++) acc[r] = _mm512_setzero_ps();
-        for (int64_t p = 0; p < pairs; p++) {
-            const __m512i q = _mm512_loadu_si512(xq.q.data() + p * 64);
-            const __m512 dx = _mm512_loadu_ps(xq.dxv.data() + p * 16);
-            for (int r = 0; r < ROWS; r++) {
-                const __m512i w = _mm512_loadu_si512(u + (n + r) * K + p * 64);
-                const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, q);
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), dx, acc[r]);
-            }
-        }
-        for (int r = 0; r < ROWS; r++) y[n + r] = scales[n + r] * (hsum(acc[r]) - xq.bias);
-    }
-    for (; n < n1; n++) {
-        __m512 acc = _mm512_setzero_ps();
-        for (int64_t p = 0; p < pairs; p++) {
-            const __m512i q = _mm512_loadu_si512(xq.q.data() + p * 64);
-            const __m512i w = _mm512_loadu_si512(u + n * K + p * 64);
-            const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, q);
-            acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_loadu_ps(xq.dxv.data() + p * 16),
-                                  acc);
-        }
-        y[n] = scales[n] * (hsum(acc) - xq.bias);
-    }
+    for (; n + ROWS <= n1; n += ROWS) rows<ROWS>(u, scales, xq, K, n, y);
+    for (; n < n1; n++) rows<1>(u, scales, xq, K, n, y);
 }
 
 at::Tensor int8_vnni_mm(const at::Tensor &x_in, const at::Tensor &u, const at::Tensor &scales) {

@@ -1,11 +1,13 @@
-"""The cpu device's hand-written kernel: paged decode attention (paged_decode.cpp), the
-operator gapless::paged_decode.
+"""The cpu device's hand-written kernels, torch operators: paged decode attention
+(paged_decode.cpp, gapless::paged_decode) and one-row int8 products (int8_matvec.cpp,
+gapless::int8_vnni_mm, where the CPU has AVX-512 VNNI).
 
-It is built against torch's headers with the machine's C++ compiler the first time a runner
-asks for it (~6 s, its sources side by side) and kept under `<cache dir>/kernels`, keyed by
-its sources, flags, torch's version and the CPU's features; loading it registers the operator's cpu kernel. It joins
-torch's OpenMP runtime rather than starting a second thread team. Where it cannot be built (no
-compiler), or for a storage type it lacks, attention takes torch's path.
+They are built into one library against torch's headers with the machine's C++ compiler the
+first time a runner asks for it (~6 s, the sources side by side) and kept under
+`<cache dir>/kernels`, keyed by the sources, flags, torch's version and the CPU's features;
+loading it registers the operators' cpu kernels. They join torch's OpenMP runtime rather than
+starting a second thread team. Where it cannot be built (no compiler), or for a storage type
+it lacks, attention takes torch's path and int8 layers torch's kernel.
 
 why an operator of torch's rather than a plain C function called through ctypes: at batch 1
 the call is most of the work. One layer's attention at a 256-token context (bf16, warm caches)

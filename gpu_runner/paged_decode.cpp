@@ -304,7 +304,7 @@ void paged_decode(const typename S::T *q, const typename S::T *k, const typename
     }
 }
 
-// the operator gapless::paged_decode (schema: gpu_runner/attention.py)
+// the operator gapless::paged_decode (schema: gpu_runner/kernels.py)
 
 // k / v rows may be views (the compiled layer's come out of the fused qkv projection): each
 // row's KVH * HD elements must be contiguous, the rows themselves any distance apart
@@ -351,22 +351,22 @@ at::Tensor paged_decode_op(const at::Tensor &q_in, const std::optional<at::Tenso
     const at::Tensor q = q_in.contiguous(), pages = pages_in.contiguous(),
                      ctx = ctx_in.contiguous();
     at::Tensor out = at::empty_like(q);
-    if (!k_in) {
-        (dtype == at::kFloat ? run<F32, float> : run<BF16, at::BFloat16>)(
-            q, nullptr, nullptr, nullptr, k_cache, v_cache, pages, ctx, out, scale, block_size);
-        return out;
+    const bool writes = k_in.has_value();
+    at::Tensor k, v;
+    if (writes) {
+        k = rows_contiguous(*k_in) ? *k_in : k_in->contiguous();
+        v = rows_contiguous(*v_in) ? *v_in : v_in->contiguous();
+        const at::Tensor &slots = *slots_in;
+        TORCH_CHECK(k.scalar_type() == dtype && v.scalar_type() == dtype &&
+                        k.sizes() == v.sizes() && k.dim() == 3 && k.size(0) == slots.size(0) &&
+                        k.size(1) == k_cache.size(1) && k.size(2) == k_cache.size(2),
+                    "paged_decode: k and v are [W, KVH, d] rows of the caches' dtype");
+        TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1,
+                    "paged_decode: slot_mapping [W] int64");
     }
-    const at::Tensor k = rows_contiguous(*k_in) ? *k_in : k_in->contiguous();
-    const at::Tensor v = rows_contiguous(*v_in) ? *v_in : v_in->contiguous();
-    const at::Tensor &slots = *slots_in;
-    TORCH_CHECK(k.scalar_type() == dtype && v.scalar_type() == dtype && k.sizes() == v.sizes() &&
-                    k.dim() == 3 && k.size(0) == slots.size(0) && k.size(1) == k_cache.size(1) &&
-                    k.size(2) == k_cache.size(2),
-                "paged_decode: k and v are [W, KVH, d] rows of the caches' dtype");
-    TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1,
-                "paged_decode: slot_mapping [W] int64");
     (dtype == at::kFloat ? run<F32, float> : run<BF16, at::BFloat16>)(
-        q, &k, &v, &slots, k_cache, v_cache, pages, ctx, out, scale, block_size);
+        q, writes ? &k : nullptr, writes ? &v : nullptr, writes ? &*slots_in : nullptr, k_cache,
+        v_cache, pages, ctx, out, scale, block_size);
     return out;
 }
 

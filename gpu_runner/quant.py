@@ -94,16 +94,15 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
         flat = x.reshape(-1, x.shape[-1])
-        if self.vnni is not None and flat.shape[0] == 1:
-            y = torch.ops.gapless.int8_vnni_mm(flat, self.vnni, self.vnni_scales)
-            y = y.view(*lead, self.weight.shape[0]).to(x.dtype)
-            return y if self.bias is None else y + self.bias
         if flat.shape[0] > DENSE_ROWS and not torch.compiler.is_compiling():
             # a prefill chunk: the weights widened once beat the kernel's rows (DENSE_ROWS)
             w = self.weight.to(x.dtype) * self.scales.to(x.dtype)[:, None]
             y = F.linear(x, w)
             return y if self.bias is None else y + self.bias
-        y = torch.ops.aten._weight_int8pack_mm(flat.to(KERNEL_DTYPE), self.weight, self.scales)
+        if self.vnni is not None and flat.shape[0] == 1:
+            y = torch.ops.gapless.int8_vnni_mm(flat, self.vnni, self.vnni_scales)
+        else:
+            y = torch.ops.aten._weight_int8pack_mm(flat.to(KERNEL_DTYPE), self.weight, self.scales)
         y = y.view(*lead, self.weight.shape[0]).to(x.dtype)  # why not -1: a step may have 0 rows
         return y if self.bias is None else y + self.bias
 

@@ -315,14 +315,7 @@ class SamplerState:
             # why a path of its own: one stream's steps are mostly this, and each call skipped
             # below is a few us with the caches cold after the forward
             self._step.add_(1)
-            batch = logits.shape[0]
-            return SampleOutput(
-                _argmax(logits.float()),
-                None,
-                torch.empty((batch, 0), dtype=torch.int64, device=logits.device),
-                torch.empty((batch, 0), dtype=torch.float32, device=logits.device),
-                plain=True,
-            )
+            return _logprobs(logits, _argmax(logits.float()), -1, plain=True)
         logits = logits.float()
         adjusted = logits
         inplace = flags.max_logprobs < 0
@@ -436,13 +429,16 @@ def _argmax(x: torch.Tensor) -> torch.Tensor:
     return x.max(dim=-1).indices
 
 
-def _logprobs(logits: torch.Tensor, token_ids: torch.Tensor, max_logprobs: int) -> SampleOutput:
-    """Raw model logprobs of the chosen tokens and the top max_logprobs ids (-1: none asked)."""
+def _logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, max_logprobs: int, plain: bool = False
+) -> SampleOutput:
+    """Raw model logprobs of the chosen tokens and the top max_logprobs ids (-1: none asked);
+    `plain` marks the output of a plain batch (SampleOutput.plain)."""
     batch = logits.shape[0]
     if max_logprobs < 0:
         empty_ids = torch.empty((batch, 0), dtype=torch.int64, device=logits.device)
         empty = torch.empty((batch, 0), dtype=torch.float32, device=logits.device)
-        return SampleOutput(token_ids, None, empty_ids, empty)
+        return SampleOutput(token_ids, None, empty_ids, empty, plain=plain)
     lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # [B, 1]
     logprobs = (logits.gather(1, token_ids[:, None]) - lse).squeeze(1)  # [B]
     top_vals, top_ids = logits.topk(max_logprobs, dim=-1, sorted=True)  # [B, K]
