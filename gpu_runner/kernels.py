@@ -1,9 +1,10 @@
 """The cpu device's hand-written kernels, torch operators: paged decode attention
-(paged_decode.cpp, gapless::paged_decode) and one-row int8 products (int8_matvec.cpp,
-gapless::int8_vnni_mm, where the CPU has AVX-512 VNNI).
+(paged_decode.cpp, gapless::paged_decode) and one-row int8 and int4 products (int8_matvec.cpp,
+gapless::int8_vnni_mm; int4_matvec.cpp, gapless::int4_vnni_mm; where the CPU has AVX-512
+VNNI).
 
 They are built into one library against torch's headers with the machine's C++ compiler the
-first time a runner asks for it (~6 s, the sources side by side) and kept under
+first time a runner asks for it (~9 s, the sources side by side on 2 cores) and kept under
 `<cache dir>/kernels`, keyed by the sources, flags, torch's version and the CPU's features;
 loading it registers the operators' cpu kernels. They join torch's OpenMP runtime rather than
 starting a second thread team. Where it cannot be built (no compiler), or for a storage type
@@ -43,7 +44,10 @@ from gapless.core.common.model_cache import cache_dir
 
 log = logging.getLogger("gapless.gpu_runner")
 
-SOURCES = [Path(__file__).with_name(name) for name in ("paged_decode.cpp", "int8_matvec.cpp")]
+SOURCES = [
+    Path(__file__).with_name(name)
+    for name in ("paged_decode.cpp", "int8_matvec.cpp", "int4_matvec.cpp")
+]
 FLAGS = ["-O3", "-march=native", "-std=c++20", "-fPIC", "-fopenmp"]
 DTYPES = (torch.float32, torch.bfloat16)
 
@@ -133,6 +137,17 @@ def _(x, weight, scales):
     return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
 
 
+# y = x W^T, W [N, K] in blocks of 32 columns, w = d q + m: codes [N, K / 2] uint8 in the
+# kernel's order (quant.int4_vnni_codes), d and m [N, K / 32] float16 -> [M, N] float32;
+# registered only where the compiler targets AVX-512 VNNI (int4_matvec.cpp)
+_LIB.define("int4_vnni_mm(Tensor x, Tensor codes, Tensor d, Tensor m) -> Tensor")
+
+
+@torch.library.register_fake("gapless::int4_vnni_mm")
+def _(x, codes, d, m):
+    return x.new_empty((x.shape[0], codes.shape[0]), dtype=torch.float32)
+
+
 _loaded: Path | None = None  # the library this process loaded; the operator is registered once
 
 
@@ -152,7 +167,7 @@ def library() -> Path | None:
     path = cache_dir() / "kernels" / f"cpu_kernels-{key}.so"
     try:
         if not path.exists():
-            log.info("building the cpu kernels (once, ~6 s): %s", path)
+            log.info("building the cpu kernels (once, ~9 s): %s", path)
             _build(path)
         torch.ops.load_library(str(path))
     except (OSError, RuntimeError) as e:
@@ -166,10 +181,11 @@ def available(dtype: torch.dtype) -> bool:
     return dtype in DTYPES and library() is not None
 
 
-def has_int8_vnni() -> bool:
-    """Whether int8_vnni_mm runs here (the library built for a CPU with AVX-512 VNNI)."""
+def has_vnni(op: str) -> bool:
+    """Whether gapless::`op` (int8_vnni_mm, int4_vnni_mm) runs here: the library built for a
+    CPU with AVX-512 VNNI."""
     return library() is not None and torch._C._dispatch_has_kernel_for_dispatch_key(
-        "gapless::int8_vnni_mm", "CPU"
+        f"gapless::{op}", "CPU"
     )
 
 

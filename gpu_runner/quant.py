@@ -53,8 +53,10 @@ KERNEL_DTYPE = torch.bfloat16
 # widened 349 ms at 128 and 986 at 512 (the widening ~100 ms of it), float32 weights
 # 148 / 250 / 873 (`python -m gapless.bench.floor --batch 32 64 128 512 --format int8-fp32 fp32`).
 DENSE_ROWS = 64
-# False: int8 layers keep torch's kernel for single rows too (to compare; see Int8Linear)
+# False: int8 / int4 layers keep torch's kernels for single rows too (to compare; see
+# Int8Linear, Int4Linear)
 INT8_VNNI = True
+INT4_VNNI = True
 # why 63: on x86 without VNNI, fbgemm multiplies 8-bit activations (0..255) by 8-bit weights
 # pairwise into 16 bits, which saturate past 32767; 2 * 255 * 63 cannot. The alternative, 7-bit
 # activations (fbgemm's reduce_range), cost the default model +11% perplexity against +0.40%
@@ -86,7 +88,7 @@ class Int8Linear(nn.Module):
         self.register_buffer("weight", weight)  # [N, K] int8
         self.register_buffer("scales", scales)  # [N], KERNEL_DTYPE
         self.bias = bias
-        vnni = INT8_VNNI and weight.shape[1] % 64 == 0 and kernels.has_int8_vnni()
+        vnni = INT8_VNNI and weight.shape[1] % 64 == 0 and kernels.has_vnni("int8_vnni_mm")
         biased = (weight.to(torch.int16) + 128).to(torch.uint8) if vnni else None
         self.register_buffer("vnni", biased)  # [N, K] uint8, weight + 128; or None
         self.register_buffer("vnni_scales", scales.float() if vnni else None)
@@ -108,18 +110,46 @@ class Int8Linear(nn.Module):
 
 
 class Int4Linear(nn.Module):
-    """y = x W^T (+ b), W in groups of 32 input columns: (q - 8) * scale + zero, q 4 bits."""
+    """y = x W^T (+ b), W in groups of 32 input columns: (q - 8) * scale + zero, q 4 bits.
 
-    def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor, bias: torch.Tensor | None):
+    A single row, where the CPU has AVX-512 VNNI, goes through gapless::int4_vnni_mm
+    (gpu_runner/int4_matvec.cpp), which quantizes the row to 8 bits per block of 32 (as
+    llama.cpp's Q4_1 x Q8_1 products do) and takes 4-bit x 8-bit products from its own copy
+    of the codes (`vnni_codes`, d and m float16 as in the file; +66 MB for the default model).
+    why: one stream through HTTP decoded 167.7 tok/s against 149.2 with torch's kernel (median
+    of 6 runs each, the two servers in turn, AVX-512 EPYC, 2 cores). Quiet, alone, the two
+    kernels take the same time in a step (2.1 ms of the default model's 120 calls): the gain
+    is beside the server's other processes, where torch's kernel, split in halves, waits for
+    the half of a thread the OS parked, and this one's last tiles go to whichever thread is
+    free. What it costs: decode perplexity +0.81% of fp32 against +0.10% (`python -m
+    gapless.bench.perplexity --decode`). At 2 or more rows torch's kernel is faster (4 rows:
+    3.8-4.0 against 5.7 ms for the 120 layers), so it keeps them."""
+
+    def __init__(
+        self,
+        packed: torch.Tensor,
+        scales_zeros: torch.Tensor,
+        bias: torch.Tensor | None,
+        vnni: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    ):
         super().__init__()
         self.register_buffer("packed", packed)  # [N, K / 2] uint8, the kernel's layout
         self.register_buffer("scales_zeros", scales_zeros)  # [K / 32, N, 2], KERNEL_DTYPE
         self.bias = bias
+        codes, d, m = vnni if vnni is not None else (None, None, None)
+        self.register_buffer("vnni_codes", codes)  # [N, K / 2] uint8, int4_vnni_codes' order
+        self.register_buffer("vnni_d", d)  # [N, K / 32] float16
+        self.register_buffer("vnni_m", m)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        flat = x.reshape(-1, x.shape[-1]).to(KERNEL_DTYPE)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP, self.scales_zeros)
+        flat = x.reshape(-1, x.shape[-1])
+        if self.vnni_codes is not None and flat.shape[0] == 1:
+            y = torch.ops.gapless.int4_vnni_mm(flat, self.vnni_codes, self.vnni_d, self.vnni_m)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                flat.to(KERNEL_DTYPE), self.packed, GROUP, self.scales_zeros
+            )
         y = y.view(*lead, self.scales_zeros.shape[1]).to(x.dtype)
         return y if self.bias is None else y + self.bias
 
@@ -250,12 +280,29 @@ def int4_groups(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     return q.view(n, k), d, low
 
 
+def int4_vnni_codes(q: torch.Tensor) -> torch.Tensor:
+    """codes q [N, K] in 0..15 -> [N, K / 2] uint8 in gapless::int4_vnni_mm's order: per group
+    of G <= 16 blocks of 32, 8 steps of 4G bytes (step k: bytes 4k..4k+3 of each block), steps
+    2j and 2j + 1 sharing a byte as its low and high nibble."""
+    n, k = q.shape
+    blocks = q.view(n, k // GROUP, GROUP)
+    groups = []
+    for g0 in range(0, k // GROUP, 16):
+        part = blocks[:, g0 : g0 + 16]  # [N, G, 32]
+        steps = part.reshape(n, part.shape[1], 8, 4).transpose(1, 2).reshape(n, 8, -1)
+        groups.append((steps[:, 0::2] | (steps[:, 1::2] << 4)).reshape(n, -1))
+    return torch.cat(groups, dim=1).contiguous()
+
+
 def make_int4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bias) -> Int4Linear:
     """Int4Linear of w = d * q + m per group of 32: q [N, K] in 0..15, d and m [N, K/32]."""
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
     zeros = m.float() + 8.0 * d.float()
     scales_zeros = torch.stack([d.float(), zeros], dim=-1).transpose(0, 1).contiguous()
-    return Int4Linear(packed, scales_zeros.to(KERNEL_DTYPE), bias)
+    vnni = None
+    if INT4_VNNI and kernels.has_vnni("int4_vnni_mm"):
+        vnni = (int4_vnni_codes(q), d.half().contiguous(), m.half().contiguous())
+    return Int4Linear(packed, scales_zeros.to(KERNEL_DTYPE), bias, vnni)
 
 
 def q4_1_blocks(path: Path, arch: ModelArch) -> dict[str, tuple[torch.Tensor, ...]]:

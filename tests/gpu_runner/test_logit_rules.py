@@ -39,6 +39,21 @@ def test_logit_bias_moves_only_its_row() -> None:
     assert draw(state, peaked(5), [0, 1], [4, 4]) == [7, 5]
 
 
+def test_constant_rules_keep_a_greedy_batch_on_the_argmax_path() -> None:
+    """A bias (its ids summed) and one-id bad words change a few ids, so a greedy batch with no
+    rule that depends on the step takes the plain argmax; each row gets only its own rule."""
+    params = greedy(logit_bias=((7, 100.0), (7, -90.0), (8, 4.0)), bad_words_ids=((9,),))
+    state = state_with({0: params, 1: greedy(), 2: greedy(min_tokens=1)})
+    flags = state.flags([0, 1])
+    assert flags.plain and flags.biased
+    assert not state.flags([0, 2]).plain  # min_tokens depends on the position
+    logits = peaked(5)
+    logits[:, 9] = 50.0
+    logits[:, 7] = -3.0  # -3 + 10 = 7 beats 5 and 8's 0 + 4
+    assert draw(state, logits, [0, 1], [4, 4]) == [7, 9]
+    assert draw(state, logits, [0, 2], [4, 4]) == [7, 9]  # the general path agrees
+
+
 def test_logit_bias_leaves_logprobs_raw() -> None:
     state = state_with({0: greedy(logit_bias=((7, 100.0),), logprobs=0)})
     out = state.sample(peaked(5, 1), torch.tensor([0]), torch.tensor([4]), host_slots=[0])

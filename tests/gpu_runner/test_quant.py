@@ -19,6 +19,7 @@ from gapless.gpu_runner.quant import (
     DualLinear,
     Int8Linear,
     int4_groups,
+    int4_vnni_codes,
     int8_rows,
     make_int4,
     make_w8a8,
@@ -46,7 +47,7 @@ def test_int8_linear_is_the_per_row_dequantized_product(dtype: torch.dtype, rows
     q, scale = int8_rows(w)
     assert (w - q.float() * scale[:, None]).abs().max() <= scale.max() / 2 + 1e-6
     layer = Int8Linear(q, scale.to(KERNEL_DTYPE), b.to(dtype))
-    assert (layer.vnni is not None) == kernels.has_int8_vnni()
+    assert (layer.vnni is not None) == kernels.has_vnni("int8_vnni_mm")
     got = layer(x.to(dtype))
     assert got.dtype == dtype, "the activations keep their dtype around the kernel"
     want = F.linear(_bf16(x), q.float() * _bf16(scale)[:, None], b)
@@ -56,7 +57,7 @@ def test_int8_linear_is_the_per_row_dequantized_product(dtype: torch.dtype, rows
         assert torch.allclose(got.float(), want, rtol=2e-2, atol=5e-2)
 
 
-@pytest.mark.skipif(not kernels.has_int8_vnni(), reason="needs a CPU with AVX-512 VNNI")
+@pytest.mark.skipif(not kernels.has_vnni("int8_vnni_mm"), reason="needs a CPU with AVX-512 VNNI")
 @pytest.mark.parametrize("rows", [1, 3])
 def test_int8_vnni_mm_is_the_product_of_block_quantized_rows(rows: int) -> None:
     """Each row of x is rounded to int8 per block of 32 columns (scale max |x| / 127); the
@@ -75,20 +76,66 @@ def test_int8_vnni_mm_is_the_product_of_block_quantized_rows(rows: int) -> None:
     assert (got - x @ (q.float() * scale[:, None]).T).abs().max() < 0.05 * want.abs().max()
 
 
+@pytest.mark.parametrize("lead", [(3, 2), (1, 1)], ids=["kernel", "one-row"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_int4_linear_is_the_group_dequantized_product(dtype: torch.dtype) -> None:
+def test_int4_linear_is_the_group_dequantized_product(
+    dtype: torch.dtype, lead: tuple[int, int]
+) -> None:
     gen = torch.Generator().manual_seed(1)
-    w, x = torch.randn(64, 128, generator=gen), torch.randn(3, 2, 128, generator=gen)
+    w, x = torch.randn(64, 128, generator=gen), torch.randn(*lead, 128, generator=gen)
     q, d, m = int4_groups(w)
     deq = (q.float().view(64, 4, 32) * d[..., None] + m[..., None]).view(64, 128)
     assert (w - deq).abs().max() <= d.max() / 2 + 1e-5
-    got = make_int4(q, d, m, None)(x.to(dtype))
-    assert got.dtype == dtype and got.shape == (3, 2, 64)
+    layer = make_int4(q, d, m, None)
+    assert (layer.vnni_codes is not None) == kernels.has_vnni("int4_vnni_mm")
+    got = layer(x.to(dtype))
+    assert got.dtype == dtype and got.shape == (*lead, 64)
+    if layer.vnni_codes is not None and lead == (1, 1):  # x rounded to 8 bits (test below)
+        want = F.linear(x.to(dtype).float(), deq).view(1, 64)
+        _rows_close(got.float().view(1, 64), want, 2e-2 if dtype == torch.float32 else 3e-2)
+        return
     # the kernel's form: (q - 8) * scale + zero, scale and zero in bfloat16
     zero = _bf16(m + 8 * d)
     kernel_w = (q.float().view(64, 4, 32) - 8) * _bf16(d)[..., None] + zero[..., None]
     want = F.linear(_bf16(x), kernel_w.view(64, 128))
     assert torch.allclose(got.float(), want, rtol=2e-2, atol=5e-2)
+
+
+@pytest.mark.skipif(not kernels.has_vnni("int4_vnni_mm"), reason="needs a CPU with AVX-512 VNNI")
+@pytest.mark.parametrize("k", [64, 576, 608, 640, 768, 1536])
+@pytest.mark.parametrize("rows", [1, 3])
+def test_int4_vnni_mm_is_the_product_of_block_quantized_rows(rows: int, k: int) -> None:
+    """Each row of x is rounded to int8 per block of 32 columns (scale max |x| / 127) for the
+    codes' products, which are then exact integers, and the offsets m meet x's exact block
+    sums; so the result is that formula's up to float sums. The widths take every way the
+    kernel reads a last group of fewer than 16 blocks (1 to 15 blocks; 2, 4, 8 and 3 here)."""
+    gen = torch.Generator().manual_seed(3)
+    n = 37  # rows: not a multiple of the kernel's four or of its tiles
+    w, x = torch.randn(n, k, generator=gen), torch.randn(rows, k, generator=gen) * 3
+    x[0, :32] = 0.0  # a block of zeros has scale 0
+    q, d, m = int4_groups(w)
+    d, m = d.half(), m.half()
+    codes = q.view(n, k // 32, 32).double()
+
+    def formula(x: torch.Tensor) -> torch.Tensor:
+        blocks = x.view(rows, k // 32, 32).double()
+        dx = blocks.abs().amax(-1, keepdim=True) / 127
+        xq = torch.where(dx > 0, torch.round(blocks / dx), 0.0) * dx  # [rows, K/32, 32]
+        products = torch.einsum("rbi,nbi,nb->rn", xq, codes, d.double())
+        return products + torch.einsum("rb,nb->rn", blocks.sum(-1), m.double())
+
+    got = torch.ops.gapless.int4_vnni_mm(x, int4_vnni_codes(q), d, m)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), formula(x), rtol=1e-5, atol=1e-3)
+    # bfloat16 rows are read as they are: the same as their values in float32
+    xb = x.bfloat16()
+    from_bf16 = torch.ops.gapless.int4_vnni_mm(xb, int4_vnni_codes(q), d, m)
+    assert torch.equal(
+        from_bf16, torch.ops.gapless.int4_vnni_mm(xb.float(), int4_vnni_codes(q), d, m)
+    )
+    deq = codes * d.double()[..., None] + m.double()[..., None]
+    exact = x.double() @ deq.view(n, k).T
+    assert (got - exact).abs().max() < 0.05 * exact.abs().max()
 
 
 def _rows_close(got: torch.Tensor, want: torch.Tensor, within: float) -> None:
