@@ -3,7 +3,7 @@
 // gpu_runner/kernels.py). For the single row of one stream's decode step.
 //
 // Each row of x is quantized per block of 32 columns to int8 with a float scale (dx_b =
-// max |x| / 127 over block b), and its block sums sx_b are kept exact, so
+// max |x| / 127 over block b), and its block sums sx_b are kept unquantized, so
 //   y[n] = sum_b d_nb * dx_b * dot_b(q_n, qx) + m_nb * sx_b
 // The codes are unsigned, so vpdpbusd takes them as they are (four products summed into each
 // int32 lane). The layout gives every lane a block of its own: a group of G <= 16 blocks is
@@ -11,8 +11,8 @@
 // of a group add up in int32 lanes, one block a lane, and the scales d, m, dx and sx of 16
 // blocks are one vector each. Two steps share a byte (step 2j the low nibble, 2j + 1 the
 // high), so a group's codes are 4 loads of 4G bytes, 16G bytes in all: 4 bits a weight.
-// Per 512 weights that is 4 loads, 12 integer ops, 8 vpdpbusd and 5 float ops (weights are
-// widened to float per block, never per weight).
+// Per 512 weights and row that is 4 loads of codes and 2 of scales, 12 integer ops, 8 vpdpbusd
+// and 6 float ops (weights are widened to float per block, never per weight).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -32,10 +32,10 @@ namespace {
 
 constexpr int64_t BLOCK = 32;  // weights per (d, m)
 constexpr int64_t GROUP = 16;  // blocks per group: an int32 lane each
-constexpr int64_t ROWS = 4;
+constexpr int64_t ROWS = 4;    // weight rows per pass: four independent sums per x row
 // why prefetch 2 KB ahead of the codes: one 63 MB call read 37 GB/s without, ~50 with (AMD
-// EPYC, 2 threads, 4 KB ahead 53-75, 1 KB 47-53); the output layer of a step is far smaller
-constexpr int64_t PREFETCH = 2048;    // weight rows per pass: four independent sums per x row
+// EPYC, 2 threads; 4 KB ahead 56-75, 1 KB 47-53); a step's calls are far smaller (0.2-1.1 MB)
+constexpr int64_t PREFETCH = 2048;
 
 // one row of x in the codes' order: q [K] int8, its block scales dx and sums sx [groups * 16]
 // (zero past the last block)

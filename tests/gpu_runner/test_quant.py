@@ -102,13 +102,14 @@ def test_int4_linear_is_the_group_dequantized_product(
 
 
 @pytest.mark.skipif(not kernels.has_vnni("int4_vnni_mm"), reason="needs a CPU with AVX-512 VNNI")
-@pytest.mark.parametrize("k", [64, 576, 608, 640, 768, 1536])
+@pytest.mark.parametrize("k", [64, 544, 576, 608, 640, 768, 1536])
 @pytest.mark.parametrize("rows", [1, 3])
 def test_int4_vnni_mm_is_the_product_of_block_quantized_rows(rows: int, k: int) -> None:
-    """Each row of x is rounded to int8 per block of 32 columns (scale max |x| / 127) for the
-    codes' products, which are then exact integers, and the offsets m meet x's exact block
-    sums; so the result is that formula's up to float sums. The widths take every way the
-    kernel reads a last group of fewer than 16 blocks (1 to 15 blocks; 2, 4, 8 and 3 here)."""
+    """Each row of x is rounded to int8 per block of 32 columns (scale max |x| / 127, rounded
+    in float32 as the kernel does) for the codes' products, which are then exact integers, and
+    the offsets m meet x's unquantized block sums; so the result is that formula's up to float
+    sums. The widths take the kernel's ways of reading a last group of fewer than 16 blocks (1,
+    2, 4 and 8 blocks with plain loads of their width, 3 with masked ones)."""
     gen = torch.Generator().manual_seed(3)
     n = 37  # rows: not a multiple of the kernel's four or of its tiles
     w, x = torch.randn(n, k, generator=gen), torch.randn(rows, k, generator=gen) * 3
@@ -118,21 +119,17 @@ def test_int4_vnni_mm_is_the_product_of_block_quantized_rows(rows: int, k: int) 
     codes = q.view(n, k // 32, 32).double()
 
     def formula(x: torch.Tensor) -> torch.Tensor:
-        blocks = x.view(rows, k // 32, 32).double()
-        dx = blocks.abs().amax(-1, keepdim=True) / 127
-        xq = torch.where(dx > 0, torch.round(blocks / dx), 0.0) * dx  # [rows, K/32, 32]
+        blocks = x.float().view(rows, k // 32, 32)
+        top = blocks.abs().amax(-1, keepdim=True)
+        inv = torch.where(top > 0, torch.tensor(127.0).div(top), 0.0)  # a true division
+        xq = torch.round(blocks * inv).double() * (top / 127).double()  # [rows, K/32, 32]
         products = torch.einsum("rbi,nbi,nb->rn", xq, codes, d.double())
-        return products + torch.einsum("rb,nb->rn", blocks.sum(-1), m.double())
+        return products + torch.einsum("rb,nb->rn", blocks.double().sum(-1), m.double())
 
-    got = torch.ops.gapless.int4_vnni_mm(x, int4_vnni_codes(q), d, m)
-    assert got.dtype == torch.float32
-    torch.testing.assert_close(got.double(), formula(x), rtol=1e-5, atol=1e-3)
-    # bfloat16 rows are read as they are: the same as their values in float32
-    xb = x.bfloat16()
-    from_bf16 = torch.ops.gapless.int4_vnni_mm(xb, int4_vnni_codes(q), d, m)
-    assert torch.equal(
-        from_bf16, torch.ops.gapless.int4_vnni_mm(xb.float(), int4_vnni_codes(q), d, m)
-    )
+    for dtype in (torch.float32, torch.bfloat16):  # bfloat16 rows are read as they are
+        got = torch.ops.gapless.int4_vnni_mm(x.to(dtype), int4_vnni_codes(q), d, m)
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), formula(x.to(dtype)), rtol=1e-5, atol=1e-3)
     deq = codes * d.double()[..., None] + m.double()[..., None]
     exact = x.double() @ deq.view(n, k).T
     assert (got - exact).abs().max() < 0.05 * exact.abs().max()
