@@ -8,7 +8,7 @@ first time a runner asks for it (~9 s, the sources side by side on 2 cores) and 
 `<cache dir>/kernels`, keyed by the sources, flags, torch's version and the CPU's features;
 loading it registers the operators' cpu kernels. They join torch's OpenMP runtime rather than
 starting a second thread team. Where it cannot be built (no compiler), or for a storage type
-it lacks, attention takes torch's path and int8 layers torch's kernel.
+it lacks, attention takes torch's path and int8 and int4 layers torch's kernels.
 
 why an operator of torch's rather than a plain C function called through ctypes: at batch 1
 the call is most of the work. One layer's attention at a 256-token context (bf16, warm caches)

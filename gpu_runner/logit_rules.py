@@ -118,14 +118,12 @@ class LogitRules:
 
         positions [B]: the position each row's new token takes; num_prompt [B] its prompt length.
         """
-        rows = np.flatnonzero(self.has_any[host_slots])
-        if not len(rows):
+        if not self.has_any[host_slots].any():
             return logits
         x = logits if inplace else logits.clone()
+        self.apply_static(x, host_slots)
+        rows = np.flatnonzero(self.has_dynamic[host_slots])
         for j, slot in zip(rows.tolist(), host_slots[rows].tolist(), strict=True):
-            static = self._static.get(slot)
-            if static is not None:
-                self._add(x[j], static)
             ids = self._min_ids.get(slot)
             if ids is not None:
                 early = positions[j] - num_prompt[j] < self._min_tokens[slot]  # device bool
@@ -140,9 +138,13 @@ class LogitRules:
 
     def apply_static(self, logits: torch.Tensor, host_slots: np.ndarray) -> None:
         """Add each row's constant rule (bias, allowed ids, one-id bad words) to logits [B, V]
-        float32, in place; for batches without a step-dependent rule (has_dynamic)."""
-        for j in np.flatnonzero(self.has_any[host_slots]).tolist():
-            self._add(logits[j], self._static[int(host_slots[j])])
+        float32, in place: all a batch without a step-dependent rule (has_dynamic) needs, and
+        what apply() adds before those."""
+        rows = np.flatnonzero(self.has_any[host_slots])
+        for j, slot in zip(rows.tolist(), host_slots[rows].tolist(), strict=True):
+            static = self._static.get(slot)
+            if static is not None:
+                self._add(logits[j], static)
 
     def _ends_with(
         self, slot: int, prefix: torch.Tensor, position: torch.Tensor, num_prompt: torch.Tensor
