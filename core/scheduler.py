@@ -465,8 +465,13 @@ class Scheduler:
             hashes.extend(chain_hashes(parent, req.known_tokens(len(hashes) * bs, n * bs), bs))
         return hashes
 
-    def _root(self, salt: str) -> bytes:
-        root = self._roots[salt] = hash_root(self._model_salt, salt)
+    def _root(self, scope: str) -> bytes:
+        """The hash root of a cache scope (AddRequest.cache_salt: the frontend's
+        block_hash.cache_scope of tenant and salt), kept for the scopes seen lately."""
+        roots = self._roots
+        if len(roots) >= 4096:  # why a bound: tenants and salts are the clients' to choose
+            roots.clear()
+        root = roots[scope] = hash_root(self._model_salt, scope)
         return root
 
     def _charge_prompt(self, req: Request, end: int) -> None:

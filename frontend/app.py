@@ -41,7 +41,7 @@ T = TypeVar("T")
 
 Handler = Callable[[HttpRequest, Responder, Caller], Awaitable[None]]
 # answered without an API key: probes and scrapers, which operators keep on a private network;
-# --metrics-require-key takes /metrics out (it shows tenant names)
+# --metrics-require-key takes /metrics out (it shows every tenant's name and traffic)
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 MODEL_PREFIX = "/v1/models/"
 
@@ -172,6 +172,7 @@ class App:
 
     async def _engine_stats(self, req: HttpRequest, out: Responder, caller: Caller) -> None:
         """The core's queues and KV blocks right now."""
+        _check_admin(caller, req.path)
         stats = await _from_engine(self.state.engine.get_stats(timeout_s=2.0))
         await out.json(
             200,
@@ -192,6 +193,7 @@ class App:
 
     async def _engine_timeline(self, req: HttpRequest, out: Responder, caller: Caller) -> None:
         """The device timeline of the last `last` steps (default 256) and idle totals."""
+        _check_admin(caller, req.path)
         query = parse_qs(req.scope.get("query_string", b"").decode("latin-1"))
         raw = query.get("last", ["256"])[-1]
         if not raw.isdigit() or int(raw) > KEEP_STEPS:
@@ -208,10 +210,12 @@ class App:
         )
 
     async def _metrics(self, req: HttpRequest, out: Responder, caller: Caller) -> None:
-        """Prometheus text format, merged over every process of the engine."""
+        """Prometheus text format, merged over every process of the engine; a tenant's key
+        reads only its own tenant's series (core_metrics.TENANT_VISIBLE)."""
+        tenant = None if caller.admin else caller.tenant
         # why a thread: rendering reads every process's files
         text = await asyncio.get_running_loop().run_in_executor(
-            None, core_metrics.render, None, self.state.config.served_model_name
+            None, core_metrics.render, None, self.state.config.served_model_name, tenant
         )
         await out.raw(200, text, CONTENT_TYPE_PLAIN_0_0_4.encode())
 
@@ -238,6 +242,17 @@ def _access_line(req: HttpRequest, out: Responder, duration_s: float) -> None:
         "finish_reason": stats.finish_reason,
     }
     access_log.log(level, "access", extra={"fields": fields})
+
+
+def _check_admin(caller: Caller, path: str) -> None:
+    """403 unless the caller may read the engine's state (every tenant's traffic)."""
+    if not caller.admin:
+        raise ApiError(
+            403,
+            f"{path} needs the admin key (--admin-api-key, or a keys-file entry with "
+            '"admin": true)',
+            code="admin_key_required",
+        )
 
 
 async def _from_engine(question: Awaitable[T]) -> T:

@@ -40,7 +40,7 @@ from gapless.frontend.responses import (
     chat_logprobs,
 )
 from gapless.frontend.state import FrontendState
-from gapless.frontend.tenants import Caller, priority_of, tenant_of
+from gapless.frontend.tenants import Caller, cache_scope_of, priority_of, tenant_of
 from gapless.frontend.tool_parsers import Parsed, ToolParser, make_parser
 from gapless.frontend.tools import plan_tools, template_messages
 
@@ -193,7 +193,7 @@ async def handle_chat(
     messages = template_messages(body.messages, tools, prompter.chat_template.takes_tools, parallel)
     tenant = tenant_of(caller, req.headers.get("x-tenant"), body.user)
     priority = priority_of(body.priority, tenant, config)
-    salt = check_cache_salt(body.cache_salt)
+    salt = cache_scope_of(tenant, check_cache_salt(body.cache_salt), config)
     response_id, created, model = (
         f"chatcmpl-{uuid.uuid4().hex}",
         int(arrival),

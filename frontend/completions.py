@@ -33,7 +33,7 @@ from gapless.frontend.responses import (
     completion_logprobs,
 )
 from gapless.frontend.state import FrontendState
-from gapless.frontend.tenants import Caller, priority_of, tenant_of
+from gapless.frontend.tenants import Caller, cache_scope_of, priority_of, tenant_of
 
 _decoder = msgspec.json.Decoder(CompletionRequest)
 
@@ -127,7 +127,7 @@ async def handle_completions(
         base = msgspec.structs.replace(base, prompt_logprobs=logprobs)
     tenant = tenant_of(caller, req.headers.get("x-tenant"), body.user)
     priority = priority_of(body.priority, tenant, config)
-    salt = check_cache_salt(body.cache_salt)
+    salt = cache_scope_of(tenant, check_cache_salt(body.cache_salt), config)
     response_id, created, model = f"cmpl-{uuid.uuid4().hex}", int(arrival), config.served_model_name
 
     echoed: list[str] | None = None

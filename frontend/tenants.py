@@ -1,15 +1,17 @@
-"""Who sends a request: its API key, its tenant and its priority.
+"""Who sends a request: its API key, its tenant, its priority and its prefix-cache scope.
 
 With --api-keys-file the key decides the tenant and nothing the client says can change it. Without
-one (and for the --api-key key), the request names its tenant: the X-Tenant header, else the
-OpenAI `user` field, else one shared tenant.
+one (and for the --api-key and --admin-api-key keys), the request names its tenant: the X-Tenant
+header, else the OpenAI `user` field, else one shared tenant. An admin key (--admin-api-key, or
+`"admin": true` in the keys file) also reads the engine routes and every tenant's metrics.
 """
 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from gapless.core.common.block_hash import cache_scope
 from gapless.core.common.config import EngineConfig, TenantSpec, check_tenant_name, priority_value
 from gapless.frontend.errors import ApiError, bad_request
 
@@ -22,27 +24,34 @@ class Caller:
 
     tenant: str  # the key's tenant if fixed, else the tenant of a request that names none
     fixed: bool = False  # the key decides the tenant
+    admin: bool = False  # may read the engine routes and every tenant's metrics
 
 
-ANONYMOUS = Caller("")
+# no key configured, or an open route: nothing there is kept from anyone
+ANONYMOUS = Caller("", admin=True)
 
 
 class ApiKeys:
-    """The keys a server accepts: --api-key, and every key of --api-keys-file."""
+    """The keys a server accepts: --api-key, --admin-api-key and every key of --api-keys-file."""
 
     def __init__(self, config: EngineConfig) -> None:
+        admin = {_digest(key.encode()) for key in (*config.admin_keys, config.admin_api_key) if key}
         # why by digest: a dict lookup of a digest leaks no timing about the keys themselves
-        self._callers: dict[bytes, Caller] = {
+        callers = self._callers = {
             _digest(key.encode()): Caller(tenant, fixed=True)
             for key, tenant in config.api_keys.items()
         }
-        if config.api_key:
-            digest = _digest(config.api_key.encode())
-            # tenant of a request that names none: who holds the key, not the key itself
-            self._callers.setdefault(digest, Caller("key-" + digest.hex()[:12]))
+        for key in (config.admin_api_key, config.api_key):
+            if key:
+                digest = _digest(key.encode())
+                # tenant of a request that names none: who holds the key, not the key itself
+                callers.setdefault(digest, Caller("key-" + digest.hex()[:12]))
+        for digest in admin:
+            callers[digest] = replace(callers[digest], admin=True)
 
     def authorize(self, authorization: str) -> Caller:
-        """The caller behind `Authorization: Bearer <key>`; 401 unless the key is one of ours."""
+        """The caller behind `Authorization: Bearer <key>`; 401 unless the key is one of ours;
+        ANONYMOUS when the server has no key."""
         if not self._callers:
             return ANONYMOUS
         scheme, _, token = authorization.partition(" ")
@@ -78,6 +87,15 @@ def tenant_of(caller: Caller, header: str | None, user: str | None) -> str:
                 raise bad_request(f"the tenant ({name}) {e}", param=name) from None
             return tenant
     return caller.tenant
+
+
+def cache_scope_of(tenant: str, salt: str, config: EngineConfig) -> str:
+    """The request's prefix-cache scope (block_hash.cache_scope): its tenant's own pool, or the
+    shared one with --shared-prefix-cache or the tenant's share_prefix_cache; `salt` (the
+    client's cache_salt, "" if none) divides either further."""
+    spec = config.tenants.get(tenant, _NO_SETTINGS)
+    shared = config.shared_prefix_cache or spec.share_prefix_cache
+    return cache_scope(None if shared else tenant, salt)
 
 
 def priority_of(value: int | str | None, tenant: str, config: EngineConfig) -> int:

@@ -1,16 +1,29 @@
 """Names of full KV blocks for prefix caching: a sha256 chained over every token before the
-block's end, rooted in the model and the request's cache salt. The frontend names a prompt's
-blocks (off the core's step loop); the core names what the frontend could not (outputs)."""
+block's end, rooted in the model and the request's cache scope (its tenant's pool and cache
+salt). The frontend names a prompt's blocks (off the core's step loop); the core names what the
+frontend could not (outputs). Both root them with hash_root, in the scope the frontend chose."""
 
 from __future__ import annotations
 
 import hashlib
 from array import array
 
+import msgspec
 
-def hash_root(model: str, salt: str) -> bytes:
-    """The parent hash of a request's first block: one per model and cache salt."""
-    return hashlib.sha256(b"gapless-kv\0" + model.encode() + b"\0" + salt.encode()).digest()
+_encode = msgspec.json.Encoder().encode
+
+
+def cache_scope(pool: str | None, salt: str) -> str:
+    """A request's prefix-cache scope, sent as AddRequest.cache_salt: its pool (a tenant's own,
+    or None for the one pool that sharing tenants use) and, within it, the client's cache salt.
+    Two different (pool, salt) pairs never give one scope (a JSON pair, hashed to 64 hex
+    characters so that the wire and the core's table of roots hold a bounded string)."""
+    return hashlib.sha256(b"gapless-scope\0" + _encode((pool, salt))).hexdigest()
+
+
+def hash_root(model: str, scope: str) -> bytes:
+    """The parent hash of a request's first block: one per model and cache scope."""
+    return hashlib.sha256(b"gapless-kv\0" + model.encode() + b"\0" + scope.encode()).digest()
 
 
 def chain_hashes(parent: bytes, token_ids: list[int], block_size: int) -> list[bytes]:

@@ -68,6 +68,9 @@ class TenantSpec(msgspec.Struct, frozen=True, kw_only=True):
     weight: float = 1.0  # its fair share relative to other tenants' weights; > 0
     priority: int = 0  # of its requests that send none
     max_queued_requests: int | None = None  # cap on its waiting requests (429 at the frontend)
+    # its prompts' KV goes to the one prefix-cache pool that every sharing tenant reads, so each
+    # of them can learn what the others sent (by cached_tokens or timing)
+    share_prefix_cache: bool = False
 
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -142,6 +145,13 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             extra={"off": "compute every prompt token, even of a prefix computed before"},
         ),
     ] = True
+    shared_prefix_cache: Annotated[
+        bool,
+        msgspec.Meta(
+            description="one prefix cache for all tenants instead of one per tenant: a tenant "
+            "can then learn what another sent (cached_tokens, time to first token)"
+        ),
+    ] = False
     scheduling_policy: Annotated[
         SchedulingPolicy,
         msgspec.Meta(
@@ -265,14 +275,23 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             extra={"env": "GAPLESS_API_KEY"},
         ),
     ] = None
+    admin_api_key: Annotated[
+        str | None,
+        msgspec.Meta(
+            description="a key that may also read /v1/engine/* and every tenant's /metrics "
+            "series (a tenant's key reads only its own)",
+            extra={"env": "GAPLESS_ADMIN_API_KEY"},
+        ),
+    ] = None
     api_servers: Annotated[
         int, msgspec.Meta(description="frontend processes sharing the port", ge=1)
     ] = 1
     metrics_require_key: Annotated[
         bool,
         msgspec.Meta(
-            description="/metrics needs an API key like every route but /health (it shows "
-            "tenant names)"
+            description="/metrics needs an API key like every route but /health (open, it "
+            "shows every tenant's name and traffic); a tenant's key then reads only that "
+            "tenant's series, the admin key all of them"
         ),
     ] = False
     max_n: Annotated[int, msgspec.Meta(description="most choices (n) one request may ask for")] = 8
@@ -359,12 +378,14 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         str | None,
         msgspec.Meta(
             description='JSON object of API keys: {"KEY": "TENANT"} or {"KEY": {"tenant": ..., '
-            '"weight": ..., "priority": ..., "max_queued_requests": ...}}; a request needs one '
-            "of them (or --api-key) and its tenant is its key's",
+            '"weight": ..., "priority": ..., "max_queued_requests": ..., "share_prefix_cache": '
+            'true, "admin": true}}; a request needs one of them (or --api-key) and its tenant '
+            "is its key's",
             extra={"metavar": "FILE"},
         ),
     ] = None
     api_keys: Annotated[dict[str, str], NOT_A_FLAG] = {}  # key -> tenant, from api_keys_file
+    admin_keys: Annotated[tuple[str, ...], NOT_A_FLAG] = ()  # those of api_keys marked admin
     # every tenant the keys file or --tenant-weight names; any other weighs 1, priority 0
     tenants: Annotated[dict[str, TenantSpec], NOT_A_FLAG] = {}
 

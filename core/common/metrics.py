@@ -128,31 +128,59 @@ def bad_frames_counter() -> Counter:
     return _bad_frames
 
 
-class _Labelled:
-    """A collector that adds constant labels to every sample of another registry's families."""
+# What a tenant's key reads at /metrics besides the samples labelled with its own tenant: facts
+# about the engine's size, never about traffic. Queue lengths, running requests, token totals,
+# latencies, KV use and prefix-cache hits all move with other tenants' requests, so they are the
+# admin key's (or an open /metrics's).
+TENANT_VISIBLE = frozenset({"gapless_kv_blocks_total"})
+# the label core/metrics.py gives the tenants past its bound, all together: nobody's own
+OTHER_TENANTS = "other"
 
-    def __init__(self, source: CollectorRegistry, labels: dict[str, str]) -> None:
+
+class _View:
+    """A collector over another registry's families: constant labels added to every sample;
+    with `tenant`, only that tenant's samples and the TENANT_VISIBLE families."""
+
+    def __init__(
+        self, source: CollectorRegistry, labels: dict[str, str], tenant: str | None
+    ) -> None:
         self.source = source
         self.labels = labels
+        self.tenant = tenant
 
     def collect(self) -> Iterator[Metric]:
         for family in self.source.collect():
+            samples = family.samples
+            if self.tenant is not None and family.name not in TENANT_VISIBLE:
+                samples = [s for s in samples if self._mine(s.labels.get("tenant"))]
+                if not samples:
+                    continue
             out = Metric(family.name, family.documentation, family.type, family.unit)
-            out.samples = [s._replace(labels={**s.labels, **self.labels}) for s in family.samples]
+            out.samples = [s._replace(labels={**s.labels, **self.labels}) for s in samples]
             yield out
 
+    def _mine(self, label: str | None) -> bool:
+        # why not "other": that sample sums the tenants past the bound, whoever is named so
+        return label is not None and label == self.tenant and label != OTHER_TENANTS
 
-def render(registry: CollectorRegistry | None = None, model_name: str | None = None) -> bytes:
+
+def render(
+    registry: CollectorRegistry | None = None,
+    model_name: str | None = None,
+    tenant: str | None = None,
+) -> bytes:
     """The text exposition: every process's files when multiprocess, else `registry`; with
-    model_name, every series labelled `model_name` (as dashboards and gateways group them)."""
+    model_name, every series labelled `model_name` (as dashboards and gateways group them);
+    with tenant, only what that tenant may read (its own samples and TENANT_VISIBLE)."""
     if registry is None:
         registry = CollectorRegistry()
         if os.environ.get(MULTIPROC_ENV):
             MultiProcessCollector(registry)
-    if model_name is not None:
-        labelled = CollectorRegistry(auto_describe=False)
-        labelled.register(_Labelled(registry, {"model_name": model_name}))  # type: ignore[arg-type]
-        registry = labelled
+    if model_name is not None or tenant is not None:
+        labels = {} if model_name is None else {"model_name": model_name}
+        view = CollectorRegistry(auto_describe=False)
+        view.register(_View(registry, labels, tenant))  # type: ignore[arg-type]
+        registry = view
     return generate_latest(registry)
 
 

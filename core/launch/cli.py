@@ -16,7 +16,7 @@ import msgspec
 from msgspec.structs import FieldInfo
 
 from gapless.core.common.config import EngineConfig, TenantSpec, check_tenant_name, encode_config
-from gapless.core.launch.keys_file import read_keys_file
+from gapless.core.launch.keys_file import KeysFile, read_keys_file
 from gapless.gpu_runner.sim_profiles import list_profiles
 
 # why: the config reaches every process in one environment variable, which Linux caps at
@@ -179,7 +179,9 @@ def config_from_args(
     from gapless.core.common.model_cache import DEFAULT_NAME
     from gapless.core.common.model_files import resolve_model
 
-    keys, tenants = read_keys_file(args.api_keys_file) if args.api_keys_file else ({}, {})
+    keys, tenants, admin = (
+        read_keys_file(args.api_keys_file) if args.api_keys_file else KeysFile({}, {}, ())
+    )
     for tenant, weight in args.tenant_weight or ():
         tenants[tenant] = msgspec.structs.replace(tenants.get(tenant, TenantSpec()), weight=weight)
     info = resolve_model(args.model, args.max_model_len, args.tokenizer)
@@ -192,7 +194,14 @@ def config_from_args(
     else:
         name = DEFAULT_NAME
     flags = {field.name: getattr(args, field.name) for field, _, _ in config_flags(cls)}
-    config = cls(model=info, served_model_name=name, api_keys=keys, tenants=tenants, **flags)
+    config = cls(
+        model=info,
+        served_model_name=name,
+        api_keys=keys,
+        admin_keys=admin,
+        tenants=tenants,
+        **flags,
+    )
     size = len(encode_config(config).encode())
     if size > MAX_CONFIG_BYTES:
         raise ValueError(

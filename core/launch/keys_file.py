@@ -3,16 +3,18 @@
 The file is one JSON object, key -> a tenant name, or key -> an object:
 
     {"sk-a1": "acme", "sk-b2": {"tenant": "beta", "weight": 2, "priority": "batch",
-                                 "max_queued_requests": 100}}
+                                 "max_queued_requests": 100, "share_prefix_cache": true},
+     "sk-ops": {"tenant": "ops", "admin": true}}
 
-A field left out leaves that setting to another key of the same tenant, else to TenantSpec's
-default; two keys of one tenant that give a setting different values are an error.
+A tenant setting left out leaves it to another key of the same tenant, else to TenantSpec's
+default; two keys of one tenant that give a setting different values are an error. `admin` is
+the key's own: that key (not the tenant's other keys) reads /v1/engine/* and all of /metrics.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Annotated
+from typing import Annotated, NamedTuple
 
 import msgspec
 
@@ -24,14 +26,22 @@ class KeyEntry(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     weight: float | None = None
     priority: int | str | None = None
     max_queued_requests: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    share_prefix_cache: bool | None = None
+    admin: bool = False
 
 
 _entry_decoder = msgspec.json.Decoder(str | KeyEntry)
-_SETTINGS = ("weight", "priority", "max_queued_requests")
+_SETTINGS = ("weight", "priority", "max_queued_requests", "share_prefix_cache")
 
 
-def read_keys_file(path: str) -> tuple[dict[str, str], dict[str, TenantSpec]]:
-    """(key -> tenant, tenant -> TenantSpec); ValueError naming the file and the entry."""
+class KeysFile(NamedTuple):
+    keys: dict[str, str]  # key -> tenant
+    tenants: dict[str, TenantSpec]
+    admin_keys: tuple[str, ...]  # the keys marked admin
+
+
+def read_keys_file(path: str) -> KeysFile:
+    """The file's keys, tenants and admin keys; ValueError naming the file and the entry."""
     try:
         with open(path, "rb") as f:
             text = f.read()
@@ -44,7 +54,9 @@ def read_keys_file(path: str) -> tuple[dict[str, str], dict[str, TenantSpec]]:
     if not raw:
         raise ValueError(f"--api-keys-file {path}: holds no keys")
     keys: dict[str, str] = {}
-    settings: dict[str, dict[str, tuple[int, float | int]]] = {}  # tenant -> name -> (entry, value)
+    admin: list[str] = []
+    # tenant -> setting name -> (entry number, value)
+    settings: dict[str, dict[str, tuple[int, float | int | bool]]] = {}
     # why entries go by number: an error message must not print the secret key
     for number, (key, value) in enumerate(raw.items(), 1):
         try:
@@ -52,6 +64,8 @@ def read_keys_file(path: str) -> tuple[dict[str, str], dict[str, TenantSpec]]:
         except (ValueError, msgspec.DecodeError) as e:
             raise ValueError(f"--api-keys-file {path}: entry {number}: {e}") from None
         keys[key] = entry.tenant
+        if entry.admin:
+            admin.append(key)
         given = settings.setdefault(entry.tenant, {})
         for name in _SETTINGS:
             value = getattr(entry, name)
@@ -67,7 +81,7 @@ def read_keys_file(path: str) -> tuple[dict[str, str], dict[str, TenantSpec]]:
         tenant: TenantSpec(**{name: value for name, (_, value) in given.items()})
         for tenant, given in settings.items()
     }
-    return keys, tenants
+    return KeysFile(keys, tenants, tuple(admin))
 
 
 def _entry(key: str, value: msgspec.Raw) -> KeyEntry:

@@ -51,9 +51,11 @@ def _shm_segments() -> set[str]:
 
 
 def test_api_key_and_disconnect_frees_kv(tiny_model_dir):
-    s = _serve(tiny_model_dir, "--api-key", "sekrit")
+    s = _serve(tiny_model_dir, "--api-key", "sekrit", "--admin-api-key", "root")
     try:
         auth = {"Authorization": "Bearer sekrit"}
+        admin = {"Authorization": "Bearer root"}  # the engine routes need the admin key
+        assert httpx.get(s.url + "/v1/engine/stats", headers=auth).status_code == 403
         assert httpx.get(s.url + "/health").status_code == 200
         r = httpx.post(s.url + "/v1/completions", json={"model": "tiny", "prompt": "x"})
         assert r.status_code == 401
@@ -63,7 +65,7 @@ def test_api_key_and_disconnect_frees_kv(tiny_model_dir):
             headers={"Authorization": "Bearer wrong"},
         )
         assert r.status_code == 401
-        idle = _stats(s, auth)
+        idle = _stats(s, admin)
         assert idle["num_free_blocks"] == idle["num_total_blocks"]
         with httpx.stream(
             "POST", s.url + "/v1/completions", json=LONG, headers=auth, timeout=30
@@ -72,16 +74,16 @@ def test_api_key_and_disconnect_frees_kv(tiny_model_dir):
             lines = resp.iter_lines()
             for _ in range(5):
                 next(lines)
-            busy = _stats(s, auth)
+            busy = _stats(s, admin)
             assert busy["num_free_blocks"] < idle["num_free_blocks"]
         # the client went away mid-stream: its blocks come back within a second
         deadline = time.monotonic() + 1.5
         while (
             time.monotonic() < deadline
-            and _stats(s, auth)["num_free_blocks"] != idle["num_free_blocks"]
+            and _stats(s, admin)["num_free_blocks"] != idle["num_free_blocks"]
         ):
             time.sleep(0.05)
-        after = _stats(s, auth)
+        after = _stats(s, admin)
         assert after["num_free_blocks"] == idle["num_free_blocks"] and after["num_running"] == 0
         # whatever full blocks the aborted request left stay cached, held by nobody
         assert idle["prefix_cache"]["num_cached_blocks"] == 0

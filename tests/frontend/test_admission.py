@@ -154,7 +154,7 @@ async def test_the_tenant_cap_comes_from_the_keys_file(
     path = tmp_path / "keys.json"
     keys_file = {"sk-a": "acme", "sk-b": {"tenant": "beta", "max_queued_requests": 2}}
     path.write_text(json.dumps(keys_file))
-    keys, tenants = read_keys_file(str(path))
+    keys, tenants, _ = read_keys_file(str(path))
     app = build_app(make_config(api_keys=keys, tenants=tenants), engine)
     beta, acme = {"authorization": "Bearer sk-b"}, {"authorization": "Bearer sk-a"}
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:

@@ -3,7 +3,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from gapless.core.common.block_hash import chain_hashes, hash_root
+from gapless.core.common.block_hash import cache_scope, chain_hashes, hash_root
 from gapless.core.common.messages import AddRequest
 from tests.frontend.conftest import MODEL, sse_events
 from tests.frontend.fake_engine import FakeEngine
@@ -105,7 +105,7 @@ async def test_usage_reports_cached_prompt_tokens(
     assert r.status_code == 200, r.text
     usage = sse_events(r.text)[-2]["usage"] if stream else r.json()["usage"]
     assert usage["prompt_tokens_details"] == {"cached_tokens": 2}
-    assert engine.added[0].cache_salt == "tenant-a"
+    assert engine.added[0].cache_salt == cache_scope("", "tenant-a")
 
 
 async def test_the_frontend_names_the_prompts_blocks(
@@ -117,7 +117,8 @@ async def test_the_frontend_names_the_prompts_blocks(
     (added,) = engine.added
     ids = added.prompt_token_ids
     assert len(ids) >= 32 and len(added.block_hashes) == len(ids) // config.block_size
-    assert added.block_hashes == chain_hashes(hash_root(config.model.path, "s"), ids, 16)
+    root = hash_root(config.model.path, cache_scope("", "s"))
+    assert added.block_hashes == chain_hashes(root, ids, 16)
 
 
 async def test_an_empty_cache_salt_is_refused(client: httpx.AsyncClient) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -9,6 +10,8 @@ import httpx
 import pytest
 
 from gapless.core.common.config import TenantSpec
+from gapless.core.launch.keys_file import read_keys_file
+from gapless.frontend.tenants import ANONYMOUS, ApiKeys
 from tests.frontend.conftest import build_app
 from tests.frontend.fake_engine import FakeEngine
 
@@ -143,3 +146,49 @@ async def test_a_bad_priority_says_what_is_allowed(client, engine) -> None:
         "priority must be an integer from -1000 to 1000 or one of interactive, default, batch; "
         "got 'urgent'"
     )
+
+
+def test_the_keys_file_marks_admin_keys_and_sharing_tenants(tmp_path) -> None:
+    path = tmp_path / "keys.json"
+    path.write_text(
+        json.dumps(
+            {
+                "sk-a": {"tenant": "a", "share_prefix_cache": True},
+                "sk-a2": "a",
+                "sk-ops": {"tenant": "ops", "admin": True},
+                "sk-ops2": "ops",
+            }
+        )
+    )
+    keys, tenants, admin = read_keys_file(str(path))
+    assert keys == {"sk-a": "a", "sk-a2": "a", "sk-ops": "ops", "sk-ops2": "ops"}
+    assert admin == ("sk-ops",), "admin is the key's, not its tenant's"
+    assert tenants["a"].share_prefix_cache and not tenants["ops"].share_prefix_cache
+    path.write_text(
+        json.dumps({"k1": {"tenant": "a", "share_prefix_cache": True},
+                    "k2": {"tenant": "a", "share_prefix_cache": False}})
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="entries 1 and 2 .* different share_prefix_cache"):
+        read_keys_file(str(path))
+    for bad in ({"tenant": "a", "admin": "yes"}, {"tenant": "a", "share_prefix_cache": 1}):
+        path.write_text(json.dumps({"k1": bad}))
+        with pytest.raises(ValueError, match="entry 1"):
+            read_keys_file(str(path))
+
+
+def test_callers_and_their_admin_flag(make_config) -> None:
+    config = make_config(
+        api_keys={"sk-a": "a", "sk-ops": "ops", "sk-ops2": "ops"},
+        admin_keys=("sk-ops",),
+        admin_api_key="root",
+        api_key="op",
+    )
+    keys = ApiKeys(config)
+    a, ops, ops2 = (keys.authorize(f"Bearer {k}") for k in ("sk-a", "sk-ops", "sk-ops2"))
+    assert (a.tenant, a.fixed, a.admin) == ("a", True, False)
+    assert (ops.tenant, ops.fixed, ops.admin) == ("ops", True, True)
+    assert not ops2.admin
+    root, op = keys.authorize("Bearer root"), keys.authorize("Bearer op")
+    assert root.admin and not root.fixed and root.tenant.startswith("key-")
+    assert not op.admin and op.tenant != root.tenant
+    assert ApiKeys(make_config()).authorize("") is ANONYMOUS and ANONYMOUS.admin
