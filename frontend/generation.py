@@ -108,12 +108,13 @@ def cut_error(cut: StreamCut) -> ApiError:
     return ApiError(503, str(cut), code="drain_timeout")
 
 
-def prompt_block_hashes(config: EngineConfig, prompt_ids: list[int], salt: str) -> list[bytes]:
-    """The prefix-cache names of the prompt's full blocks, so the core's step loop does not
-    spend its time hashing (~90 us per 1,024 tokens); none with caching off."""
+def prompt_block_hashes(config: EngineConfig, prompt_ids: list[int], scope: str) -> list[bytes]:
+    """The prefix-cache names of the prompt's full blocks in its cache scope (the Job's
+    cache_salt, from tenants.cache_scope_of), so the core's step loop does not spend its time
+    hashing (~90 us per 1,024 tokens); none with caching off."""
     if not config.prefix_caching:
         return []
-    return chain_hashes(hash_root(config.model.path, salt), prompt_ids, config.block_size)
+    return chain_hashes(hash_root(config.model.path, scope), prompt_ids, config.block_size)
 
 
 def _choice_block_hashes(config: EngineConfig, job: Job) -> list[list[bytes]]:
@@ -214,7 +215,7 @@ async def _deltas(
     except EngineDeadError as exc:
         raise engine_unavailable(str(exc)) from None
     finally:
-        job.stats.prompt_tokens = len(job.prompt_ids)
+        job.stats.prompt_tokens = job.num_prompt_tokens
         job.stats.completion_tokens = sum(outputs)
         job.stats.finish_reason = reason
         observer.finished(job.endpoint, time.time() - job.arrival_time, sum(outputs), reason)

@@ -62,3 +62,22 @@ def test_json_and_text_formats() -> None:
     assert obj["level"] == "info" and isinstance(obj["ts"], float)
     text = TextFormatter("front0").format(record)
     assert text.endswith("access status=200 route=/v1/completions") and " INFO " in text
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/completions", {"prompt": "one two three four five six"}),
+        ("/v1/completions", {"prompt": ["one two three four", "five six seven"], "n": 2}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "one two three"}]}),
+    ],
+)
+async def test_the_access_line_counts_prompt_tokens(
+    client: httpx.AsyncClient, caplog, path: str, body: dict
+) -> None:
+    """prompt_tokens is the usage's count (each prompt once), not the number of prompts."""
+    caplog.set_level(logging.INFO, logger="gapless.access")
+    r = await client.post(path, json={**body, "max_tokens": 1})
+    assert r.status_code == 200, r.text
+    (line,) = _access(caplog)
+    assert line["prompt_tokens"] == r.json()["usage"]["prompt_tokens"] > 3
