@@ -71,7 +71,9 @@ class AddRequest(_Msg):
     tenant: str = ""
     priority: int = 0  # in [-1000, 1000], lower runs sooner: -10 interactive, 0 default, 10 batch
     label: str = ""  # the client's X-Request-Id (or one made up), for logs; clients reuse ids
-    cache_salt: str = ""  # requests hit only prefix-cache blocks computed under the same salt
+    # the prefix-cache scope (block_hash.cache_scope of the tenant's pool and the client's
+    # cache_salt): requests hit only blocks computed under the same scope
+    cache_salt: str = ""
     # chained hashes of the prompt's full blocks (core/common/block_hash.py) for this engine's
     # block size, model and cache_salt, computed by the frontend; empty: the core computes them
     block_hashes: list[bytes] = []
