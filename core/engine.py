@@ -14,6 +14,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from gapless.core.common.bad_messages import BadMessages
+from gapless.core.common.checks import request_problem
 from gapless.core.common.config import EngineConfig
 from gapless.core.common.messages import (
     QUEUE_STATE_INTERVAL_S,
@@ -27,6 +29,7 @@ from gapless.core.common.messages import (
     GetStats,
     GetTimeline,
     QueueState,
+    SamplingParams,
     Shutdown,
     StepPlan,
     StepResult,
@@ -107,6 +110,7 @@ class EngineCore:
         self._queue_checked_at = -1.0  # time.monotonic() the queue was last looked at
         self._queue_state: QueueState | None = None
         self._freed: deque[tuple[float, int]] = deque()  # (monotonic, seats freed), last 10 s
+        self.bad = BadMessages("core", log)
 
     @property
     def depth(self) -> int:
@@ -119,9 +123,17 @@ class EngineCore:
     def has_work(self) -> bool:
         return bool(self.inflight) or self.scheduler.has_work
 
+    def is_inflight(self, seq: int) -> bool:
+        """Whether step seq was planned and its result has not been applied."""
+        return (
+            bool(self.inflight) and self.inflight[0].plan.seq <= seq <= self.inflight[-1].plan.seq
+        )
+
     # 1. inputs ------------------------------------------------------------------------------
 
     def handle(self, msg: CoreInput) -> None:
+        """One message from a frontend or the detokenizer. Ids that already ended (an Abort
+        after the last token) are ignored; what no frontend could have sent is dropped."""
         match msg:
             case AddRequest():
                 self.add_request(msg)
@@ -129,6 +141,8 @@ class EngineCore:
                 self.end_requests(ids, "abort")
             case StreamEnded(request_ids=ids, reason=reason):
                 self.end_requests(ids, reason, tell_detokenizer=False)
+            case GetStats(frontend_id=fid) | GetTimeline(frontend_id=fid) if not self._known(fid):
+                self.bad.report("unknown_frontend", f"{type(msg).__name__} for frontend {fid}")
             case GetStats(frontend_id=fid, token=token):
                 self._out.frontend.append((fid, self.stats(token)))
             case GetTimeline(frontend_id=fid, token=token, last=last):
@@ -139,7 +153,26 @@ class EngineCore:
             case Shutdown():
                 self.shutdown = True
 
+    def _known(self, frontend_id: int) -> bool:
+        return 0 <= frontend_id < self.config.api_servers
+
     def add_request(self, msg: AddRequest) -> None:
+        """Queue a request, or end it with an error if it could never run or breaks the
+        AddRequest contract (core/common/checks.py). One no frontend could be told of (an unknown
+        frontend id, an id that is live already) is dropped."""
+        rid = msg.request_id
+        if not self._known(msg.frontend_id):
+            self.bad.report("unknown_frontend", f"request {rid!r} for frontend {msg.frontend_id}")
+            return
+        if rid in self.scheduler.requests:
+            self.bad.report("duplicate_request_id", f"request {rid!r} is live already")
+            return
+        problem = request_problem(msg, self.config)
+        if problem is not None:
+            reason, why = problem
+            self.bad.report(reason, f"request {rid!r} ended with an error: {why}")
+            self._refuse(msg, f"impossible request: {why}")
+            return
         now = time.perf_counter()
         self.timeline.work_arrived(now)
         req = self.scheduler.add_request(msg)
@@ -160,6 +193,14 @@ class EngineCore:
             self._end(req, "error", why)
         else:
             self.metrics.request_added(msg.request_id, req.num_prompt, now)
+
+    def _refuse(self, msg: AddRequest, why: str) -> None:
+        """End a request the scheduler never saw: its frontend gets one error delta."""
+        self._out.detok.append(
+            DetokNew(msg.request_id, msg.frontend_id, SamplingParams(max_tokens=1), prompt_tail=[])
+        )
+        self._ended.append((msg.request_id, "error", why))
+        self.metrics.request_ended(msg.request_id, "error")
 
     def end_requests(self, ids: list[str], reason: str, tell_detokenizer: bool = True) -> None:
         """End requests from outside a step (client gone, stream ended by the detokenizer);
@@ -194,9 +235,7 @@ class EngineCore:
 
     def step(self, result: StepResult | None = None) -> EngineOutputs:
         """Apply the oldest step's result if one came, plan ahead, and return what to send."""
-        out = None
-        if result is not None:
-            out = self._apply(result)
+        out = None if result is None else self._take(result)
         now = time.monotonic()
         if self.config.max_queue_wait_s is not None:
             self._expire_waiting(now, self.config.max_queue_wait_s)
@@ -265,6 +304,37 @@ class EngineCore:
             if step.plan.freed_slots:
                 self._freed.append((time.monotonic(), len(step.plan.freed_slots)))
             self.metrics.step_planned(step, self.scheduler.running)
+
+    def _take(self, result: StepResult) -> StepOutput | None:
+        """Apply the result of the oldest step in flight; any other is dropped. One whose shape
+        does not match that step's plan ends the step's requests with an error. Per step: a
+        sequence number and a few lengths compared."""
+        inflight = self.inflight
+        if not inflight or result.seq != inflight[0].plan.seq:
+            expected = inflight[0].plan.seq if inflight else "none in flight"
+            self.bad.report(
+                "unplanned_result", f"result of step {result.seq} ({expected}): dropped"
+            )
+            return None
+        step, n = inflight[0], len(result.token_ids)
+        lps = result.logprobs
+        if n == len(step.sampled) and result.timing is not None and (not lps or len(lps) == n):
+            return self._apply(result)
+        why = (
+            f"the result of step {result.seq} has {n} ids and {len(lps)} logprobs for "
+            f"{len(step.sampled)} sampled entries, timing {result.timing is not None}"
+        )
+        self.bad.report("result_shape", f"{why}; its requests ended with an error")
+        return self._fail_step(f"impossible step result: {why}")
+
+    def _fail_step(self, why: str) -> StepOutput:
+        """End every request the oldest step samples or scores, then apply it with a filler
+        result: their ids are dropped as any finished request's are."""
+        step = self.inflight.popleft()
+        for req in [*step.sampled, *step.scorers.values()]:
+            self._end(req, "error", why)
+        filler = StepResult(seq=step.plan.seq, token_ids=[0] * len(step.sampled))
+        return self.scheduler.update_from_output(step, filler)
 
     def _apply(self, result: StepResult) -> StepOutput:
         t0 = time.perf_counter()

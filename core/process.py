@@ -118,8 +118,12 @@ class CoreProcess:
                 match self.results.recv(timeout_ms=0):
                     case StepResult() as result:
                         stats.num_tokens += len(result.token_ids)
-                    case RunnerError(message=message):
+                    case RunnerError(seq=seq, message=message) if core.is_inflight(seq):
                         raise RuntimeError(f"gpu_runner failed: {message}")
+                    case RunnerReady() | RunnerError() as other:  # why: only at start, or stray
+                        core.bad.report(
+                            "unexpected_message", f"{type(other).__name__} from the runner"
+                        )
         core.timeline.close()
 
 
