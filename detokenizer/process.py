@@ -57,7 +57,7 @@ def run_detokenizer(config: EngineConfig) -> None:
 
 
 def _serve(ctx: zmq.Context, config: EngineConfig, reporter: ControlReporter) -> None:
-    state = DetokenizerState(load_tokenizer(config.model))
+    state = DetokenizerState(load_tokenizer(config.model), config.api_servers)
     inbox: Receiver[DetokInput] = Receiver(ctx, config.ipc(DETOK_IN), DetokInput)
     frontends: list[Sender[FrontendInput]] = [
         Sender(ctx, config.ipc(frontend_socket(i))) for i in range(config.api_servers)
@@ -81,7 +81,7 @@ def _serve(ctx: zmq.Context, config: EngineConfig, reporter: ControlReporter) ->
                         state.process(msg, out)
                         detokenize.observe(time.perf_counter() - t0)
                     case DetokNew():
-                        state.add(msg)
+                        state.add(msg, out)
                     case Shutdown():
                         running = False
             # 3. publish: one message per frontend, then what the core must act on
