@@ -83,12 +83,12 @@ def build(arch, fmt: str) -> nn.Module:
     """The model with random weights in the format's layers (speed does not read the values)."""
     import torch
 
-    from gapless.gpu_runner.model import LlamaModel
+    from gapless.gpu_runner.model import CausalLM
     from gapless.gpu_runner.quant import quantize_model
 
     dtype, quant = FORMATS[fmt]
     torch.manual_seed(0)
-    model = LlamaModel(arch).to(getattr(torch, dtype))
+    model = CausalLM(arch).to(getattr(torch, dtype))
     quantize_model(model, quant, "", arch)
     return model.eval()
 

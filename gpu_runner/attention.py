@@ -5,6 +5,10 @@ flat array of token rows, which is flashinfer's NHD page layout viewed as
 [num_blocks, block_size, kv_heads, head_dim]. A token at position p of a slot lives at row
 block_table[slot, p // bs] * bs + p % bs. Block 0 is never handed to a request; padding
 entries write and read there.
+
+A layer may attend through a sliding window (a query sees the `window` keys ending at its
+own) and soft-cap its scores (s -> softcap * tanh(s / softcap), before the mask and softmax);
+every path takes both. Blocks that fell out of a window stay in the page table, masked.
 """
 
 from __future__ import annotations
@@ -56,8 +60,11 @@ class AttentionMeta(Protocol):
 
     slot_mapping: torch.Tensor  # [T] long: cache row written by each query token
 
-    def attend(self, q, k, v, k_cache, v_cache) -> torch.Tensor:
-        """q [T, H, d], k/v [T, KVH, d], caches [R, KVH, d] -> [T, H, d]; writes k, v first."""
+    def attend(
+        self, q, k, v, k_cache, v_cache, window: int = 0, softcap: float = 0.0
+    ) -> torch.Tensor:
+        """q [T, H, d], k/v [T, KVH, d], caches [R, KVH, d] -> [T, H, d]; writes k, v first.
+        window: keys each query sees, its own included (0: all); softcap: 0 for none."""
         ...
 
 
@@ -69,6 +76,20 @@ class PrefillSeq:
     num_tokens: int
     pages: torch.Tensor  # [P] long: KV blocks of the context, in order
     mask: torch.Tensor  # [1, 1, num_tokens, P * bs] bool, True where attending is allowed
+    first_pos: int = 0  # position of the first query token
+    _windowed: dict[int, torch.Tensor] | None = None  # window -> mask, made once per step
+
+    def window_mask(self, window: int) -> torch.Tensor:
+        """mask, less the keys more than `window` - 1 positions before each query."""
+        if not window:
+            return self.mask
+        if self._windowed is None:
+            self._windowed = {}
+        if window not in self._windowed:
+            q_pos = self.first_pos + torch.arange(self.num_tokens)
+            keys = torch.arange(self.mask.shape[-1])
+            self._windowed[window] = self.mask & (keys[None, :] > q_pos[:, None] - window)
+        return self._windowed[window]
 
 
 @dataclass
@@ -84,18 +105,24 @@ class AttnMetadata:
     block_size: int
     all_decode: bool = False  # every row is a decode, in order: no gather or scatter of q
     kernel: bool = False  # decodes take gpu_runner/kernels.py's paged kernel
-    _mask: torch.Tensor | None = None  # decode_mask(), made once per step on the eager path
+    # decode_mask(window) by window, made once per step on the eager path
+    _masks: dict[int, torch.Tensor] | None = None
 
-    def decode_mask(self) -> torch.Tensor:  # [D, 1, 1, P * bs] bool, False past the context
-        if self._mask is None:
-            self._mask = context_mask(self.decode_pages, self.decode_ctx, self.block_size)
-        return self._mask
+    def decode_mask(self, window: int = 0) -> torch.Tensor:
+        """[D, 1, 1, P * bs] bool: False past the context and before the window."""
+        if self._masks is None:
+            self._masks = {}
+        if window not in self._masks:
+            self._masks[window] = context_mask(
+                self.decode_pages, self.decode_ctx, self.block_size, window
+            )
+        return self._masks[window]
 
-    def attend(self, q, k, v, k_cache, v_cache) -> torch.Tensor:
+    def attend(self, q, k, v, k_cache, v_cache, window: int = 0, softcap: float = 0.0):
         if self.all_decode and self.kernel and torch.compiler.is_compiling():
             return torch.ops.gapless.paged_decode(
                 q, k, v, k_cache, v_cache, self.slot_mapping, self.decode_pages,
-                self.decode_ctx, self.scale, self.block_size,
+                self.decode_ctx, self.scale, self.block_size, window, softcap,
             )  # fmt: skip
         if self.all_decode and torch.compiler.is_compiling():
             write_kv(k, v, k_cache, v_cache, self.slot_mapping)
@@ -103,12 +130,12 @@ class AttnMetadata:
                 # why: one stream's two tiny matmuls in two-thread BLAS calls wait at barriers
                 # whenever the frontend or detokenizer takes a core; served, one stream decoded
                 # 15-25% slower with them than with this generated kernel
-                return fused_decode(q, k_cache, v_cache, self)
+                return fused_decode(q, k_cache, v_cache, self, window, softcap)
             return decode_attention(
                 q, k_cache, v_cache, self.decode_pages, self.decode_ctx, self.scale,
-                self.block_size,
+                self.block_size, window, softcap,
             )  # fmt: skip
-        return paged_attention(q, k, v, k_cache, v_cache, self)
+        return paged_attention(q, k, v, k_cache, v_cache, self, window, softcap)
 
 
 class TorchAttention:
@@ -146,6 +173,7 @@ class TorchAttention:
                     num_tokens=int(n[j]),
                     pages=torch.from_numpy(layout.page_table[j, :p].copy()),
                     mask=torch.from_numpy(mask)[None, None],
+                    first_pos=int(q_pos[0]),
                 )
             )
         return meta
@@ -177,10 +205,26 @@ class TorchAttention:
         )
 
 
-def context_mask(pages: torch.Tensor, ctx: torch.Tensor, block_size: int) -> torch.Tensor:
-    """[D, 1, 1, P * bs] bool: True at the key positions below each decode's context length."""
+def context_mask(
+    pages: torch.Tensor, ctx: torch.Tensor, block_size: int, window: int = 0
+) -> torch.Tensor:
+    """[D, 1, 1, P * bs] bool: True at the key positions below each decode's context length
+    (and, with a window, at the last `window` of them)."""
     keys = torch.arange(pages.shape[1] * block_size, device=pages.device)
-    return (keys < ctx[:, None])[:, None, None, :]
+    seen = keys < ctx[:, None]
+    if window:
+        seen = seen & (keys >= ctx[:, None] - window)
+    return seen[:, None, None, :]
+
+
+def attention(q, k, v, mask, scale: float, softcap: float = 0.0) -> torch.Tensor:
+    """SDPA over q [..., Lq, d] and k, v [..., L, d] (the same heads), mask bool; with
+    soft-capped scores where softcap > 0, which SDPA cannot do (then in float32)."""
+    if not softcap:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    s = (q.float() @ k.float().transpose(-1, -2)) * scale
+    s = (torch.tanh(s / softcap) * softcap).masked_fill(~mask, float("-inf"))
+    return (s.softmax(-1) @ v.float()).to(q.dtype)
 
 
 def paged_attention(
@@ -190,26 +234,28 @@ def paged_attention(
     k_cache: torch.Tensor,  # [R, KVH, d], R = num_blocks * block_size
     v_cache: torch.Tensor,
     meta: AttnMetadata,
+    window: int = 0,  # keys a query sees, its own included; 0: all
+    softcap: float = 0.0,
 ) -> torch.Tensor:  # [T, H, d]
     if meta.all_decode and meta.kernel:
         return kernels.paged_decode(
             q, k_cache, v_cache, meta.decode_pages, meta.decode_ctx, meta.scale,
-            meta.block_size, writes=(k, v, meta.slot_mapping),
+            meta.block_size, writes=(k, v, meta.slot_mapping), window=window, softcap=softcap,
         )  # fmt: skip
     k_cache.index_copy_(0, meta.slot_mapping, k)
     v_cache.index_copy_(0, meta.slot_mapping, v)
     if meta.all_decode:
-        return _decode(q.unsqueeze(2), k_cache, v_cache, meta).squeeze(2)
+        return _decode(q.unsqueeze(2), k_cache, v_cache, meta, window, softcap).squeeze(2)
     out = torch.empty_like(q)
     if meta.decode_rows.numel():
         qd = q.index_select(0, meta.decode_rows)  # [D, H, d]
         if meta.kernel:
             od = kernels.paged_decode(
                 qd, k_cache, v_cache, meta.decode_pages, meta.decode_ctx, meta.scale,
-                meta.block_size,
+                meta.block_size, window=window, softcap=softcap,
             )  # fmt: skip
         else:
-            od = _decode(qd.unsqueeze(2), k_cache, v_cache, meta).squeeze(2)
+            od = _decode(qd.unsqueeze(2), k_cache, v_cache, meta, window, softcap).squeeze(2)
         out.index_copy_(0, meta.decode_rows, od)
     paged = (-1, meta.block_size, *k_cache.shape[1:])  # [blocks, bs, KVH, d]
     for p in meta.prefills:
@@ -217,9 +263,15 @@ def paged_attention(
         qp = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, n, d]
         kp = _gather(k_cache, paged, p.pages).flatten(0, 1).transpose(0, 1).unsqueeze(0)
         vp = _gather(v_cache, paged, p.pages).flatten(0, 1).transpose(0, 1).unsqueeze(0)
-        op = F.scaled_dot_product_attention(
-            qp, kp, vp, attn_mask=p.mask, scale=meta.scale, enable_gqa=True
-        )
+        mask = p.window_mask(window)
+        if softcap:
+            group = q.shape[1] // k_cache.shape[1]  # query heads per KV head
+            kp, vp = kp.repeat_interleave(group, 1), vp.repeat_interleave(group, 1)
+            op = attention(qp, kp, vp, mask, meta.scale, softcap)
+        else:
+            op = F.scaled_dot_product_attention(
+                qp, kp, vp, attn_mask=mask, scale=meta.scale, enable_gqa=True
+            )
         out[rows] = op.squeeze(0).transpose(0, 1)
     return out
 
@@ -251,6 +303,8 @@ def fused_decode(
     k_cache: torch.Tensor,  # [R, KVH, d]
     v_cache: torch.Tensor,
     meta: AttnMetadata,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:  # [D, H, d]
     """Decode attention written for the compiler: the block gather is indexing that it folds
     into the two reductions, so K and V are read from the cache once and never copied; scores
@@ -263,7 +317,10 @@ def fused_decode(
     v = v_cache[rows].permute(0, 2, 1, 3).float()  # [D, KVH, L, d]
     qg = q.reshape(d_, kvh, -1, hd).float()  # [D, KVH, G, d]: G query heads per KV head
     s = (qg[..., None] * k[:, :, None]).sum(-2) * meta.scale  # [D, KVH, G, L]
-    s = s.masked_fill(~context_mask(meta.decode_pages, meta.decode_ctx, bs), float("-inf"))
+    if softcap:
+        s = torch.tanh(s / softcap) * softcap
+    mask = context_mask(meta.decode_pages, meta.decode_ctx, bs, window)
+    s = s.masked_fill(~mask, float("-inf"))
     o = (s.softmax(-1)[..., None] * v[:, :, None]).sum(-2)  # [D, KVH, G, d]
     return o.reshape(q.shape).to(q.dtype)
 
@@ -277,6 +334,8 @@ def decode_attention(
     ctx: torch.Tensor,  # [D] long: context lengths
     scale: float,
     block_size: int,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:  # [D, H, d]
     """Decode attention of a compiled step, kept whole as one operator.
 
@@ -295,16 +354,18 @@ def decode_attention(
     k = _gather(k_cache, paged, pages).view(d_, -1, kvh, hd).transpose(1, 2)  # [D, KVH, L, d]
     v = _gather(v_cache, paged, pages).view(d_, -1, kvh, hd).transpose(1, 2)
     qg = q.reshape(d_, kvh, -1, hd)  # [D, KVH, G, d]
-    mask = context_mask(pages, ctx, block_size)
-    return F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale).reshape(q.shape)
+    mask = context_mask(pages, ctx, block_size, window)
+    return attention(qg, k, v, mask, scale, softcap).reshape(q.shape)
 
 
 @decode_attention.register_fake
-def _(q, k_cache, v_cache, pages, ctx, scale, block_size) -> torch.Tensor:
+def _(q, k_cache, v_cache, pages, ctx, scale, block_size, window=0, softcap=0.0) -> torch.Tensor:
     return torch.empty_like(q)
 
 
-def _decode(qd: torch.Tensor, k_cache, v_cache, meta: AttnMetadata) -> torch.Tensor:
+def _decode(
+    qd: torch.Tensor, k_cache, v_cache, meta: AttnMetadata, window: int = 0, softcap: float = 0.0
+) -> torch.Tensor:
     # qd [D, H, 1, d] -> [D, H, 1, d]; contexts gathered a block at a time
     paged = (-1, meta.block_size, *k_cache.shape[1:])  # [blocks, bs, KVH, d]
     kd = _gather(k_cache, paged, meta.decode_pages).flatten(1, 2).transpose(1, 2)  # [D, KVH, L, d]
@@ -315,9 +376,7 @@ def _decode(qd: torch.Tensor, k_cache, v_cache, meta: AttnMetadata) -> torch.Ten
     # less time per layer at 32 decodes of 256 tokens in bf16 on cpu
     d, h, kvh = qd.shape[0], qd.shape[1], kd.shape[1]
     qg = qd.reshape(d, kvh, h // kvh, qd.shape[-1])
-    out = F.scaled_dot_product_attention(
-        qg, kd, vd, attn_mask=meta.decode_mask(), scale=meta.scale
-    )  # [D, KVH, G, d]
+    out = attention(qg, kd, vd, meta.decode_mask(window), meta.scale, softcap)  # [D, KVH, G, d]
     return out.reshape(qd.shape)
 
 

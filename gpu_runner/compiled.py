@@ -125,6 +125,11 @@ class _Graph:
         return found
 
 
+def _kind(layer) -> object:
+    """What a layer's graph holds as constants (gpu_runner/model's DecoderLayer.kind)."""
+    return getattr(layer, "kind", None)
+
+
 def _alike(a, b) -> bool:
     if isinstance(b, torch.Tensor):
         return (
@@ -153,7 +158,7 @@ def _signature(values: tuple, meta) -> tuple:
 def _describe(v) -> object:
     if isinstance(v, torch.Tensor):
         return (v.dtype, v.shape, v.stride(), v.storage_offset(), v.device, v.requires_grad)
-    if isinstance(v, (list, tuple)):
+    if isinstance(v, (list, tuple, dict)):
         return (type(v), len(v))
     return (type(v), v)
 
@@ -167,9 +172,10 @@ class CompiledLayers:
 
     A layer is replayed only when the first layer's call ran exactly one graph whose every
     input comes from run_layer's arguments (a graph break inside a layer makes several, or
-    inputs of the layer's own frames), and when its own inputs match the first layer's in
-    dtype, shape and strides. Otherwise it runs eagerly: the compiler would take the same
-    graph without checking, as its guards skip the layers' modules.
+    inputs of the layer's own frames), when it is of the first layer's kind (`layer.kind`:
+    its window, RoPE and MLP, which a graph holds as constants) and when its own inputs match
+    the first layer's in dtype, shape and strides. Otherwise it runs eagerly: the compiler
+    would take the same graph without checking, as its guards skip the layers' modules.
 
     why: per layer, dynamo's cache lookup and the bytecode that gathers the graph's inputs
     took ~55 us (torch profiler, batch 32, default model), ~1.6 ms of a step whatever its
@@ -287,7 +293,10 @@ class CompiledLayers:
             ran, self._ran = self._ran, []
             if not self.replay or len(ran) != 1 or ran[0][0].x < 0:
                 for i in range(1, len(layers)):
-                    x = self.compiled(layers[i], x, cos, sin, kv_cache[i], meta)
+                    if _kind(layers[i]) == _kind(layers[0]):
+                        x = self.compiled(layers[i], x, cos, sin, kv_cache[i], meta)
+                    else:  # why eager: the compiler would take this graph for it unchecked
+                        x = layers[i](x, cos, sin, kv_cache[i], meta)
                 return x
             graph, first = ran[0]
             self._chose(graph, first, frame)
@@ -295,8 +304,10 @@ class CompiledLayers:
         # why checked only here and after an eager layer: a replayed layer's output has the
         # first layer's shape and strides, being the same graph's over the same sizes
         x_fits = _alike(x, first[pos_x])
+        kind = _kind(layers[0])
         for i in range(1, len(layers)):
-            own = self._own_inputs(graph, i, layers[i], kv_cache[i], first) if x_fits else None
+            fits = x_fits and _kind(layers[i]) == kind
+            own = self._own_inputs(graph, i, layers[i], kv_cache[i], first) if fits else None
             if own is None:
                 x = layers[i](x, cos, sin, kv_cache[i], meta)
                 x_fits = _alike(x, first[pos_x])

@@ -118,12 +118,14 @@ _LIB = torch.library.Library("gapless", "FRAGMENT")
 # k, v and slot_mapping (the step's new rows, written to the caches first) come together or not
 _LIB.define(
     "paged_decode(Tensor q, Tensor? k, Tensor? v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
-    "Tensor? slot_mapping, Tensor pages, Tensor ctx, float scale, int block_size) -> Tensor"
+    "Tensor? slot_mapping, Tensor pages, Tensor ctx, float scale, int block_size, "
+    "int window=0, float softcap=0.) -> Tensor"
 )
 
 
 @torch.library.register_fake("gapless::paged_decode")
-def _(q, k, v, k_cache, v_cache, slot_mapping, pages, ctx, scale, block_size):
+def _(q, k, v, k_cache, v_cache, slot_mapping, pages, ctx, scale, block_size, window=0,
+      softcap=0.0):  # fmt: skip
     return q.new_empty(q.shape)  # contiguous, as the kernel's output
 
 
@@ -198,11 +200,13 @@ def paged_decode(
     scale: float,
     block_size: int,
     writes: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    window: int = 0,  # keys each query sees, its own included; 0: the whole context
+    softcap: float = 0.0,  # scores s -> softcap * tanh(s / softcap); 0: none
 ) -> torch.Tensor:  # [D, H, d]
     """Decode attention over the paged cache; `writes` (k, v [W, KVH, d], slots [W] long) go
     into the cache first. Needs available(q.dtype)."""
     assert library() is not None and q.dtype in DTYPES, "the kernel is built for this dtype"
     k, v, slots = writes if writes is not None else (None, None, None)
     return torch.ops.gapless.paged_decode(
-        q, k, v, k_cache, v_cache, slots, pages, ctx, scale, block_size
+        q, k, v, k_cache, v_cache, slots, pages, ctx, scale, block_size, window, softcap
     )

@@ -11,7 +11,10 @@
 //   k/v cache   [R, KVH, hd]       R = num_blocks * bs; a context's token t lives at row
 //                                  pages[d, t / bs] * bs + t % bs
 //   pages       [D, P] int64, ctx [D] int64 (1 <= ctx[d] <= P * bs)
-// Scores and softmax are float32 whatever the storage type (float32 or bfloat16).
+// Scores and softmax are float32 whatever the storage type (float32 or bfloat16). A window
+// (> 0) keeps a query to the last `window` keys of its context, its own included: the pages
+// before them are not read. A softcap (> 0) maps each scaled score s to softcap * tanh(s /
+// softcap) before the softmax.
 //
 // Where the compiler targets AVX-512 with BF16 dot products, bfloat16 caches of head size 64
 // or 128 take paged_decode_bf16_avx512 below: a page's rows are read from memory once for all
@@ -116,18 +119,35 @@ inline void prefetch_part(const uint16_t *rows, int64_t bytes, int64_t part, int
 
 inline __mmask16 first_lanes(int64_t n) { return n < 16 ? __mmask16((1u << n) - 1) : 0xffff; }
 
-// one sequence's attention, every head. A page's rows come from memory once: all H heads'
-// scores (then weighted sums) are taken over sixteen tokens while they are in L1. score holds
-// H * len floats, acc H * HD.
+#endif  // GAPLESS_BF16_AVX512
+
+// the first key a query at the end of a context of `len` sees
+inline int64_t window_start(int64_t len, int64_t window) {
+    return window > 0 && len > window ? len - window : 0;
+}
+
+// scores s[start, len) -> softcap * tanh(s / softcap)
+inline void soft_cap(float *s, int64_t start, int64_t len, float softcap) {
+    if (softcap <= 0.f) return;
+    const float inv = 1.f / softcap;
+    for (int64_t t = start; t < len; t++) s[t] = softcap * std::tanh(s[t] * inv);
+}
+
+#ifdef GAPLESS_BF16_AVX512
+
+// one sequence's attention, every head, over keys [start, len). A page's rows come from
+// memory once: all H heads' scores (then weighted sums) are taken over sixteen tokens while
+// they are in L1. score holds H * len floats, acc H * HD.
 template <int HD>
 void attend_bf16_avx512(const uint16_t *q, const uint16_t *k_cache, const uint16_t *v_cache,
-                        const int64_t *pages, int64_t len, uint16_t *out, int64_t KVH, int64_t G,
-                        int64_t BS, float scale, float *score, float *acc) {
+                        const int64_t *pages, int64_t start, int64_t len, uint16_t *out,
+                        int64_t KVH, int64_t G, int64_t BS, float scale, float softcap,
+                        float *score, float *acc) {
     constexpr int QC = HD / 32, VC = HD / 16;  // bf16 vectors of a head; float vectors
     const int64_t row = KVH * HD, H = KVH * G, page_bytes = BS * row * 2;
-    const int64_t num_pages = (len + BS - 1) / BS;
+    const int64_t num_pages = (len + BS - 1) / BS, first = start / BS;
     const __m512 scale_v = _mm512_set1_ps(scale);
-    for (int64_t p = 0, t0 = 0; p < num_pages; p++, t0 += BS) {
+    for (int64_t p = first, t0 = first * BS; p < num_pages; p++, t0 += BS) {
         const uint16_t *page = k_cache + pages[p] * BS * row;
         const uint16_t *ahead = p + 1 < num_pages ? k_cache + pages[p + 1] * BS * row : nullptr;
         const int64_t n = len - t0 < BS ? len - t0 : BS, tiles = (n + 15) / 16;
@@ -155,9 +175,10 @@ void attend_bf16_avx512(const uint16_t *q, const uint16_t *k_cache, const uint16
     }
     for (int64_t hg = 0; hg < H; hg++) {
         float *s = score + hg * len;
+        soft_cap(s, start, len, softcap);
         __m512 top = _mm512_set1_ps(-INFINITY);
         __mmask16 nan = 0;  // why: max drops a NaN, which must reach the output as torch's does
-        for (int64_t t = 0; t < len; t += 16) {
+        for (int64_t t = start; t < len; t += 16) {
             const __mmask16 keep = first_lanes(len - t);
             const __m512 x = _mm512_maskz_loadu_ps(keep, s + t);
             nan |= _mm512_mask_cmp_ps_mask(keep, x, x, _CMP_UNORD_Q);
@@ -165,24 +186,24 @@ void attend_bf16_avx512(const uint16_t *q, const uint16_t *k_cache, const uint16
         }
         const __m512 top_v = _mm512_set1_ps(nan ? NAN : _mm512_reduce_max_ps(top));
         __m512 sum = _mm512_setzero_ps();
-        for (int64_t t = 0; t < len; t += 16) {
+        for (int64_t t = start; t < len; t += 16) {
             const __mmask16 keep = first_lanes(len - t);
             const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(keep, s + t), top_v));
             sum = _mm512_mask_add_ps(sum, keep, sum, e);
             _mm512_mask_storeu_ps(s + t, keep, e);
         }
         const __m512 inv = _mm512_set1_ps(1.f / _mm512_reduce_add_ps(sum));
-        for (int64_t t = 0; t < len; t += 16) {
+        for (int64_t t = start; t < len; t += 16) {
             const __mmask16 keep = first_lanes(len - t);
             _mm512_mask_storeu_ps(s + t, keep, _mm512_mul_ps(_mm512_maskz_loadu_ps(keep, s + t), inv));
         }
     }
     std::memset(acc, 0, sizeof(float) * H * HD);
-    for (int64_t p = 0, t0 = 0; p < num_pages; p++, t0 += BS) {
+    for (int64_t p = first, t0 = first * BS; p < num_pages; p++, t0 += BS) {
         const uint16_t *page = v_cache + pages[p] * BS * row;
         const uint16_t *ahead = p + 1 < num_pages ? v_cache + pages[p + 1] * BS * row : nullptr;
         const int64_t n = len - t0 < BS ? len - t0 : BS, tiles = (n + 15) / 16;
-        for (int64_t u = 0; u < n; u += 16) {
+        for (int64_t u = start > t0 ? start - t0 : 0; u < n; u += 16) {  // from the window's first
             const int64_t m = n - u < 16 ? n - u : 16;
             for (int64_t hg = 0; hg < H; hg++) {
                 if (ahead) prefetch_part(ahead, page_bytes, u / 16 * H + hg, tiles * H);
@@ -211,7 +232,8 @@ void attend_bf16_avx512(const uint16_t *q, const uint16_t *k_cache, const uint16
 bool paged_decode_bf16_avx512(const uint16_t *q, const uint16_t *k_cache,
                               const uint16_t *v_cache, const int64_t *pages, const int64_t *ctx,
                               uint16_t *out, int64_t D, int64_t P, int64_t KVH, int64_t G,
-                              int64_t HD, int64_t BS, float scale, int threads) {
+                              int64_t HD, int64_t BS, float scale, int64_t window, float softcap,
+                              int threads) {
     if (HD != 64 && HD != 128) return false;
     const int64_t H = KVH * G;
 #pragma omp parallel num_threads(threads) if (threads > 1 && D > 1)
@@ -221,8 +243,8 @@ bool paged_decode_bf16_avx512(const uint16_t *q, const uint16_t *k_cache,
         for (int64_t d = 0; d < D; d++) {
             const int64_t len = ctx[d] < P * BS ? ctx[d] : P * BS;
             (HD == 64 ? attend_bf16_avx512<64> : attend_bf16_avx512<128>)(
-                q + d * H * HD, k_cache, v_cache, pages + d * P, len, out + d * H * HD, KVH, G,
-                BS, scale, score.data(), acc.data());
+                q + d * H * HD, k_cache, v_cache, pages + d * P, window_start(len, window), len,
+                out + d * H * HD, KVH, G, BS, scale, softcap, score.data(), acc.data());
         }
     }
     return true;
@@ -236,7 +258,7 @@ void paged_decode(const typename S::T *q, const typename S::T *k, const typename
                   int64_t slot_step, typename S::T *k_cache,
                   typename S::T *v_cache, const int64_t *pages, const int64_t *ctx,
                   typename S::T *out, int64_t D, int64_t P, int64_t KVH, int64_t G, int64_t HD,
-                  int64_t BS, float scale, int threads) {
+                  int64_t BS, float scale, int64_t window, float softcap, int threads) {
     using T = typename S::T;
     const int64_t row = KVH * HD;  // elements of one cached token
     for (int64_t i = 0; i < num_writes; i++) {
@@ -247,7 +269,7 @@ void paged_decode(const typename S::T *q, const typename S::T *k, const typename
 #ifdef GAPLESS_BF16_AVX512
     if constexpr (sizeof(T) == 2) {
         if (paged_decode_bf16_avx512(q, k_cache, v_cache, pages, ctx, out, D, P, KVH, G, HD, BS,
-                                     scale, threads))
+                                     scale, window, softcap, threads))
             return;
     }
 #endif
@@ -258,12 +280,13 @@ void paged_decode(const typename S::T *q, const typename S::T *k, const typename
 #pragma omp for schedule(dynamic, 1)
         for (int64_t d = 0; d < D; d++) {
             const int64_t len = ctx[d] < P * BS ? ctx[d] : P * BS;  // never past its pages
+            const int64_t start = window_start(len, window), first = start / BS;
             const T *qd = q + d * H * HD;
             for (int64_t i = 0; i < H * HD; i++) qf[i] = S::load(qd[i]) * scale;
-            for (int64_t t0 = 0, p = 0; t0 < len; t0 += BS, p++) {
-                const int64_t n = len - t0 < BS ? len - t0 : BS;
-                const T *kr = k_cache + pages[d * P + p] * BS * row;
-                for (int64_t t = 0; t < n; t++, kr += row) {
+            for (int64_t t0 = first * BS, p = first; t0 < len; t0 += BS, p++) {
+                const int64_t n = len - t0 < BS ? len - t0 : BS, skip = start > t0 ? start - t0 : 0;
+                const T *kr = k_cache + (pages[d * P + p] * BS + skip) * row;
+                for (int64_t t = skip; t < n; t++, kr += row) {
                     for (int64_t hg = 0; hg < H; hg++) {
                         const float *qg = qf.data() + hg * HD;
                         const T *kh = kr + (hg / G) * HD;
@@ -276,19 +299,20 @@ void paged_decode(const typename S::T *q, const typename S::T *k, const typename
             }
             for (int64_t hg = 0; hg < H; hg++) {
                 float *s = score.data() + hg * len, top = -INFINITY, sum = 0.f;
-                for (int64_t t = 0; t < len; t++) top = s[t] > top ? s[t] : top;
-                for (int64_t t = 0; t < len; t++) {
+                soft_cap(s, start, len, softcap);
+                for (int64_t t = start; t < len; t++) top = s[t] > top ? s[t] : top;
+                for (int64_t t = start; t < len; t++) {
                     s[t] = std::exp(s[t] - top);
                     sum += s[t];
                 }
                 const float inv = 1.f / sum;
-                for (int64_t t = 0; t < len; t++) s[t] *= inv;
+                for (int64_t t = start; t < len; t++) s[t] *= inv;
             }
             std::fill(acc.begin(), acc.end(), 0.f);
-            for (int64_t t0 = 0, p = 0; t0 < len; t0 += BS, p++) {
-                const int64_t n = len - t0 < BS ? len - t0 : BS;
-                const T *vr = v_cache + pages[d * P + p] * BS * row;
-                for (int64_t t = 0; t < n; t++, vr += row) {
+            for (int64_t t0 = first * BS, p = first; t0 < len; t0 += BS, p++) {
+                const int64_t n = len - t0 < BS ? len - t0 : BS, skip = start > t0 ? start - t0 : 0;
+                const T *vr = v_cache + (pages[d * P + p] * BS + skip) * row;
+                for (int64_t t = skip; t < n; t++, vr += row) {
                     for (int64_t hg = 0; hg < H; hg++) {
                         const float w = score[hg * len + t0 + t];
                         const T *vh = vr + (hg / G) * HD;
@@ -315,7 +339,8 @@ bool rows_contiguous(const at::Tensor &t) {
 template <typename S, typename Scalar>
 void run(const at::Tensor &q, const at::Tensor *k, const at::Tensor *v, const at::Tensor *slots,
          const at::Tensor &k_cache, const at::Tensor &v_cache, const at::Tensor &pages,
-         const at::Tensor &ctx, const at::Tensor &out, double scale, int64_t block_size) {
+         const at::Tensor &ctx, const at::Tensor &out, double scale, int64_t block_size,
+         int64_t window, double softcap) {
     using T = typename S::T;
     auto ptr = [](const at::Tensor *t) {
         return t ? reinterpret_cast<T *>(t->data_ptr<Scalar>()) : nullptr;
@@ -327,7 +352,8 @@ void run(const at::Tensor &q, const at::Tensor *k, const at::Tensor *v, const at
                     reinterpret_cast<T *>(v_cache.data_ptr<Scalar>()), pages.data_ptr<int64_t>(),
                     ctx.data_ptr<int64_t>(), reinterpret_cast<T *>(out.data_ptr<Scalar>()),
                     q.size(0), pages.size(1), k_cache.size(1), q.size(1) / k_cache.size(1),
-                    q.size(2), block_size, float(scale), at::get_num_threads());
+                    q.size(2), block_size, float(scale), window, float(softcap),
+                    at::get_num_threads());
 }
 
 at::Tensor paged_decode_op(const at::Tensor &q_in, const std::optional<at::Tensor> &k_in,
@@ -335,7 +361,7 @@ at::Tensor paged_decode_op(const at::Tensor &q_in, const std::optional<at::Tenso
                            const at::Tensor &v_cache,
                            const std::optional<at::Tensor> &slots_in,
                            const at::Tensor &pages_in, const at::Tensor &ctx_in, double scale,
-                           int64_t block_size) {
+                           int64_t block_size, int64_t window, double softcap) {
     const auto dtype = q_in.scalar_type();
     TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "paged_decode: q is ", dtype);
     TORCH_CHECK(q_in.dim() == 3 && k_cache.dim() == 3 && k_cache.is_contiguous() &&
@@ -366,7 +392,7 @@ at::Tensor paged_decode_op(const at::Tensor &q_in, const std::optional<at::Tenso
     }
     (dtype == at::kFloat ? run<F32, float> : run<BF16, at::BFloat16>)(
         q, writes ? &k : nullptr, writes ? &v : nullptr, writes ? &*slots_in : nullptr, k_cache,
-        v_cache, pages, ctx, out, scale, block_size);
+        v_cache, pages, ctx, out, scale, block_size, window, softcap);
     return out;
 }
 

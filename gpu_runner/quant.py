@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 from torch import nn
 
+from gapless.core.common import families
 from gapless.core.common.model_files import ModelArch, read_gguf
 from gapless.gpu_runner import kernels
 from gapless.gpu_runner.model import FUSED
@@ -308,14 +309,15 @@ def make_int4(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bias) -> Int4Li
 def q4_1_blocks(path: Path, arch: ModelArch) -> dict[str, tuple[torch.Tensor, ...]]:
     """HF name -> (q [N, K] uint8, d [N, K/32], m [N, K/32] float32) of every Q4_1 tensor of a
     GGUF file, with llama's Q/K rows put back in Hugging Face's order as the loader does."""
-    from gapless.gpu_runner.weights import _hf_name, _unpermute
+    from gapless.gpu_runner.weights import hf_name, unpermuted
 
     gguf = read_gguf(path)
+    arch_names = families.family(arch.architecture).gguf_names
     raw = np.memmap(gguf.path, dtype=np.uint8, mode="r")
     out = {}
     for gguf_name, t in gguf.tensors.items():
-        name = _hf_name(gguf_name)
-        if name is None or t.qtype != GGMLQuantizationType.Q4_1:
+        name = hf_name(gguf_name, arch_names)
+        if name is None or t.qtype != GGMLQuantizationType.Q4_1 or len(t.shape) != 2:
             continue
         n, k = t.shape
         nbytes = n * k // GROUP * Q4_1_BLOCK_BYTES
@@ -325,9 +327,7 @@ def q4_1_blocks(path: Path, arch: ModelArch) -> dict[str, tuple[torch.Tensor, ..
         nib = blocks[..., 4:]  # [N, K/32, 16]: element j low nibble, element j + 16 high
         q = np.concatenate([nib & 0x0F, nib >> 4], axis=-1).reshape(n, k)
         tensors = [torch.from_numpy(q.copy()), torch.from_numpy(d), torch.from_numpy(m)]
-        if arch.architecture == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = arch.num_heads if name.endswith("q_proj.weight") else arch.num_kv_heads
-            tensors = [_unpermute(x, heads).contiguous() for x in tensors]
+        tensors = [unpermuted(name, x, arch).contiguous() for x in tensors]
         out[name.removesuffix(".weight")] = tuple(tensors)
     return out
 
@@ -337,7 +337,7 @@ def _int4_blocks(model: nn.Module, name: str, weight: torch.Tensor, exact: dict)
     rows rounded to int4 groups. A fused layer takes each part's blocks on their own, so a
     file that holds some parts as Q4_1 keeps those exact."""
     fused = next((f for f in FUSED if name.endswith("." + f)), None)
-    if fused is None:
+    if fused is None or name in exact:  # a layer the file holds joined (Phi-3) is one tensor
         return exact.get(name) or int4_groups(weight)
     prefix = name[: -len(fused)]
     rows = weight.split(model.get_submodule(name.rsplit(".", 1)[0]).sizes, dim=0)

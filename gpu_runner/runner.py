@@ -42,7 +42,7 @@ from gapless.gpu_runner.batch import (
 from gapless.gpu_runner.grammar import GrammarRows
 from gapless.gpu_runner.graph import DecodeGraphs, capture_sizes
 from gapless.gpu_runner.logprobs import row_logprobs
-from gapless.gpu_runner.model import LlamaModel, rope_inv_freq
+from gapless.gpu_runner.model import CausalLM
 from gapless.gpu_runner.quant import SMALL_ROWS, holds_q4_1, quantize_model
 from gapless.gpu_runner.sampler import SampleOutput, SamplerState
 from gapless.gpu_runner.threads import BusyCores
@@ -144,10 +144,9 @@ class ModelRunner:
         arch = load_arch(config.model)
         self.arch = arch
         with torch.device("meta"):
-            model = LlamaModel(arch)
+            model = CausalLM(arch)
         model = model.to_empty(device=self.device).to(self.dtype)
         model.load(load_weights(config.model, arch, self.dtype))
-        model.inv_freq = rope_inv_freq(arch).to(self.device)  # buffers made on meta hold garbage
         self.quantization = resolve_quantization(
             config.quantization, config.dtype, self.device.type, config.model.path
         )
@@ -235,7 +234,7 @@ class ModelRunner:
 
     def make_attention(self):
         max_context = self.max_blocks_per_seq * self.config.block_size
-        bs, scale = self.config.block_size, self.arch.head_dim**-0.5
+        bs, scale = self.config.block_size, self.arch.scale
         kernel = self.config.attention_kernel and kernels.available(self.dtype)
         log.info("cpu decode attention: %s", "paged kernel" if kernel else "torch (gather + SDPA)")
         return TorchAttention(self.graphs.max_size, max_context, bs, scale, kernel)

@@ -218,13 +218,15 @@ def test_qwen2_and_llama3_rope(tmp_path: Path) -> None:
                    original_max_position_embeddings=8192)  # fmt: skip
     arch = load_arch(_config_dir(tmp_path, model_type="llama", rope_scaling=scaling, **shape))
     assert arch.rope_scaling == {
+        "rope_type": "llama3",
         "factor": 8.0,
         "low_freq_factor": 1.0,
         "high_freq_factor": 4.0,
         "original_max_position_embeddings": 8192,
     }
-    with pytest.raises(NotImplementedError, match="yarn"):
-        load_arch(_config_dir(tmp_path, model_type="llama", rope_scaling={"type": "yarn"}, **shape))
+    with pytest.raises(NotImplementedError, match="'ntk-parts' is not supported"):
+        bad = {"type": "ntk-parts", "factor": 2.0}
+        load_arch(_config_dir(tmp_path, model_type="llama", rope_scaling=bad, **shape))
 
 
 def test_errors(tmp_path: Path, tiny_hf_dir: Path) -> None:

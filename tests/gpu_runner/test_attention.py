@@ -24,13 +24,21 @@ def _case(num: int, heads: int, kv_heads: int, dtype: torch.dtype, seed: int, hd
     return q, k_cache, v_cache, pages, ctx, hd**-0.5
 
 
-def _dense(q, k_cache, v_cache, pages, ctx, scale, bs=BS) -> torch.Tensor:
+def _dense(q, k_cache, v_cache, pages, ctx, scale, bs=BS, window=0, softcap=0.0):
+    """Each decode's attention over its last `window` keys (0: all), scores soft-capped."""
     out = []
     for i in range(q.shape[0]):
         rows = (pages[i, :, None] * bs + torch.arange(bs)).reshape(-1)[: int(ctx[i])]
+        rows = rows[-window:] if window else rows
         k = k_cache[rows].transpose(0, 1).float()  # [KVH, n, d]
         v = v_cache[rows].transpose(0, 1).float()
         qi = q[i].float()[:, None]  # [H, 1, d]
+        if softcap:
+            group = q.shape[1] // k.shape[0]
+            k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+            s = torch.tanh(qi @ k.transpose(1, 2) * scale / softcap) * softcap
+            out.append((s.softmax(-1) @ v)[:, 0])
+            continue
         out.append(F.scaled_dot_product_attention(qi, k, v, scale=scale, enable_gqa=True)[:, 0])
     return torch.stack(out)
 
@@ -66,6 +74,39 @@ def test_decode_attention_equals_dense_attention(heads, kv_heads, dtype):
     }
     for name, out in got.items():
         assert out.dtype == dtype and out.shape == q.shape, name
+        torch.testing.assert_close(out.float(), want, atol=tol, rtol=tol, msg=name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("window", "softcap"), [(5, 0.0), (23, 0.0), (0, 2.0), (17, 3.0)])
+def test_every_decode_path_takes_a_window_and_a_soft_cap(dtype, window, softcap):
+    """Contexts up to five blocks against windows shorter than one block, longer than one,
+    with and without soft-capped scores: each path sees only the window's keys."""
+    q, k_cache, v_cache, pages, ctx, scale = _case(7, 8, 2, dtype, seed=window, hd=64)
+    ctx[0], ctx[1] = window or 3, max(1, window - 1)  # contexts no longer than the window
+    q = q * 4  # why: scores of several units, so the cap bends them
+    want = _dense(q, k_cache, v_cache, pages, ctx, scale, window=window, softcap=softcap)
+    meta = AttnMetadata(
+        slot_mapping=torch.zeros(0, dtype=torch.long),
+        decode_rows=torch.arange(7),
+        decode_pages=pages,
+        decode_ctx=ctx,
+        prefills=[],
+        scale=scale,
+        block_size=BS,
+        all_decode=True,
+    )
+    args = (q, k_cache, v_cache, pages, ctx, scale, BS)
+    got = {
+        "decode_attention": decode_attention(*args, window, softcap),
+        "eager": _decode(q.unsqueeze(2), k_cache, v_cache, meta, window, softcap).squeeze(2),
+        "fused": fused_decode(q, k_cache, v_cache, meta, window, softcap),
+        "kernel": kernels.paged_decode(*args, window=window, softcap=softcap),
+    }
+    unwindowed = _dense(q, k_cache, v_cache, pages, ctx, scale)
+    assert not torch.allclose(want, unwindowed, atol=1e-2), "the case would not show a wrong mask"
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for name, out in got.items():
         torch.testing.assert_close(out.float(), want, atol=tol, rtol=tol, msg=name)
 
 

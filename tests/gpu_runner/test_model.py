@@ -17,7 +17,7 @@ from gapless.gpu_runner.batch import (
     TOK_SLOT,
     PersistentBatch,
 )
-from gapless.gpu_runner.model import LlamaModel
+from gapless.gpu_runner.model import CausalLM
 
 transformers = pytest.importorskip("transformers")
 
@@ -54,7 +54,7 @@ def pair():
         tie_word_embeddings=False,
         attention_bias=False,
     )
-    ours = LlamaModel(arch)
+    ours = CausalLM(arch)
     ours.load({k: v.clone() for k, v in ref.state_dict().items()})
     return ref, ours.eval(), arch
 
@@ -170,6 +170,6 @@ def test_llama3_rope_scaling_matches_transformers():
         max_position=512,
         tie_word_embeddings=True,
         attention_bias=False,
-        rope_scaling=scaling,
+        rope_scaling={k: v for k, v in scaling.items()},
     )
     torch.testing.assert_close(rope_inv_freq(arch), rot.inv_freq.float(), atol=1e-7, rtol=1e-5)

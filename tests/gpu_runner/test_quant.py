@@ -218,13 +218,13 @@ def test_dual_linear_compiled_matches_eager_on_both_sides() -> None:
 
 def test_int4_dual_keeps_the_dense_weights_and_an_int8_output_layer() -> None:
     from gapless.core.common.model_files import ModelArch
-    from gapless.gpu_runner.model import LlamaModel
+    from gapless.gpu_runner.model import CausalLM
 
     arch = ModelArch(architecture="llama", vocab_size=128, hidden_size=64,
                      intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
                      head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0, max_position=64,
                      tie_word_embeddings=True, attention_bias=False)  # fmt: skip
-    model = LlamaModel(arch).to(torch.bfloat16)
+    model = CausalLM(arch).to(torch.bfloat16)
     attn = model.get_submodule("model.layers.0.self_attn")
     dense_q = attn.qkv_proj
     quantize_model(model, "int4-dual", "", arch)

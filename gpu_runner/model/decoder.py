@@ -1,0 +1,171 @@
+"""The decoder every family is: embeddings, layers of attention and MLP (dense or experts),
+the final norm and the output layer, each with the family's options (ModelArch)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from gapless.core.common.families.base import ModelArch
+from gapless.gpu_runner.attention import AttentionMeta
+from gapless.gpu_runner.model.layers import MLP, Attention, RMSNorm
+from gapless.gpu_runner.model.moe import MoE
+from gapless.gpu_runner.model.rope import Rope
+
+# why fused: one matmul over the concatenated rows reads the same weights in fewer, larger
+# calls; at the default model's shapes (30 layers, AVX-512 EPYC, 2 threads) q, k, v, gate and
+# up took 3.30 ms a step as five int4 calls at one row against 2.2 as two, and 16.1 against
+# 14.5 ms as bf16 F.linear at 32 rows. Checkpoints keep the separate Hugging Face names;
+# fuse_weights concatenates them on load (Phi-3's are joined already).
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+STACKED = ("gate_up_proj", "down_proj")  # each expert's layers -> mlp.experts.<name> [E, ...]
+
+
+def _join(parts: list[torch.Tensor]) -> torch.Tensor:
+    # rows of a weight [out, in] or of stacked experts' [E, out, in]; a bias [out]
+    return torch.cat(parts, dim=-2 if parts[0].dim() > 1 else 0)
+
+
+def fuse_weights(named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`named` (a state dict) itself, each layer's FUSED parts (weights, biases; stacked
+    experts' too) replaced by their rows joined in order, and each expert's layers stacked
+    (mlp.experts.J.down_proj.weight -> mlp.experts.down_proj [E, H, I]). In place, so each
+    part is freed once joined rather than held to the end."""
+    for fused, parts in FUSED.items():
+        for suffix in (".weight", ".bias", ""):
+            tail = "." + parts[0] + suffix
+            for key in [k for k in named if k.endswith(tail)]:
+                prefix = key[: -len(tail)]
+                names = [f"{prefix}.{part}{suffix}" for part in parts]
+                if all(n in named for n in names):
+                    named[f"{prefix}.{fused}{suffix}"] = _join([named.pop(n) for n in names])
+    for layer in {k.split(".experts.")[0] for k in named if ".experts.0." in k}:
+        for name in STACKED:
+            j, stack = 0, []
+            while f"{layer}.experts.{j}.{name}.weight" in named:
+                stack.append(named.pop(f"{layer}.experts.{j}.{name}.weight"))
+                j += 1
+            if stack:
+                named[f"{layer}.experts.{name}"] = torch.stack(stack)
+    return named
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArch, layer: int) -> None:
+        super().__init__()
+        eps, offset = arch.rms_norm_eps, arch.norm_offset
+        self.self_attn = Attention(arch, layer)
+        self.mlp: nn.Module = (
+            MoE(arch) if arch.is_moe(layer) else MLP(arch.hidden_size, arch.intermediate_size,
+                                                     arch.hidden_act)
+        )  # fmt: skip
+        self.input_layernorm = RMSNorm(arch.hidden_size, eps, offset)
+        # without sandwich norms, the norm before the MLP (Hugging Face's name for it)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, eps, offset)
+        self.sandwich = arch.sandwich_norm
+        if self.sandwich:
+            self.pre_feedforward_layernorm = RMSNorm(arch.hidden_size, eps, offset)
+            self.post_feedforward_layernorm = RMSNorm(arch.hidden_size, eps, offset)
+        # which of the step's RoPE tables: 1 for a sliding layer with a RoPE of its own
+        self.rope = 1 if arch.local_rope_theta and arch.window(layer) else 0
+        # layers of one kind run the same code on their own weights (compiled.py replays them)
+        self.kind = (self.self_attn.window, self.rope, type(self.mlp).__name__)
+
+    def forward(self, x, cos, sin, kv, meta) -> torch.Tensor:
+        # cos, sin [R, T, 1, rot]: the step's RoPE tables
+        h = self.self_attn(self.input_layernorm(x), cos[self.rope], sin[self.rope], kv, meta)
+        if not self.sandwich:
+            x = x + h
+            return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.post_attention_layernorm(h)
+        h = self.mlp(self.pre_feedforward_layernorm(x))
+        return x + self.post_feedforward_layernorm(h)
+
+
+class Backbone(nn.Module):
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.norm_offset)
+
+
+@functools.cache
+def _in_dtype(value: float, dtype: torch.dtype) -> float:
+    """value rounded to dtype, as transformers scales Gemma's embeddings."""
+    return float(torch.tensor(value, dtype=dtype))
+
+
+class CausalLM(nn.Module):
+    """Parameter names follow Hugging Face's, so a state dict loads as is (fuse_weights joins
+    the parts that are one layer here)."""
+
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        self.arch = arch
+        self.model = Backbone(arch)
+        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        if arch.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.make_ropes()
+
+    def make_ropes(self) -> None:
+        """The RoPE tables, on the embeddings' device; float32 whatever the model's dtype."""
+        arch = self.arch
+        ropes = [Rope(arch, arch.rope_theta, arch.rope_scaling)]
+        if arch.local_rope_theta:
+            ropes.append(Rope(arch, arch.local_rope_theta, None))
+        device = self.model.embed_tokens.weight.device
+        self.ropes = [r.to(device) for r in ropes] if device.type != "meta" else ropes
+
+    @property
+    def uniform(self) -> bool:
+        """Every layer of one kind: one compiled graph serves them all."""
+        return len({layer.kind for layer in self.model.layers}) == 1
+
+    def load(self, weights: dict[str, torch.Tensor]) -> None:
+        if self.arch.tie_word_embeddings:  # why again: to_empty() gives each module its own tensor
+            self.lm_head.weight = self.model.embed_tokens.weight
+        missing, unexpected = self.load_state_dict(fuse_weights(weights), strict=False)
+        missing = [
+            m for m in missing if not (m == "lm_head.weight" and self.arch.tie_word_embeddings)
+        ]
+        assert not missing and not unexpected, f"weights mismatch: {missing=} {unexpected=}"
+        self.make_ropes()  # why: a model made on the meta device holds none yet
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype):
+        """cos, sin [R, T, 1, rot] of dtype: one table per RoPE (Gemma 3's sliding layers
+        have their own)."""
+        tables = [rope(positions) for rope in self.ropes]
+        cos = torch.stack([c for c, _ in tables])[:, :, None, :]
+        sin = torch.stack([s for _, s in tables])[:, :, None, :]
+        return cos.to(dtype), sin.to(dtype)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] long
+        positions: torch.Tensor,  # [T] long
+        kv_cache,  # per layer (K, V), each [R, KVH, d]; or a [layers, 2, R, KVH, d] tensor
+        meta: AttentionMeta,
+        logit_rows: torch.Tensor,  # [B] long: rows whose next-token logits are wanted
+        # (layers, x, cos, sin, kv_cache, meta) -> x: the decoder layers run some other way
+        run_layers: Callable | None = None,
+    ) -> torch.Tensor:  # [B, vocab] float32
+        x = self.model.embed_tokens(input_ids)
+        if self.arch.embed_scale != 1.0:
+            x = x * _in_dtype(self.arch.embed_scale, x.dtype)
+        cos, sin = self.rope(positions, x.dtype)
+        if run_layers is not None:
+            x = run_layers(self.model.layers, x, cos, sin, kv_cache, meta)
+        else:
+            for i, layer in enumerate(self.model.layers):
+                x = layer(x, cos, sin, kv_cache[i], meta)
+        x = self.model.norm(x.index_select(0, logit_rows))
+        logits = self.lm_head(x).float()
+        if self.arch.final_softcap:
+            cap = self.arch.final_softcap
+            logits = torch.tanh(logits / cap) * cap
+        return logits
