@@ -12,6 +12,7 @@ from gapless.core.common.channel import Receiver, Sender
 from gapless.core.common.config import EngineConfig
 from gapless.core.common.messages import RunnerInput, RunnerOutput, RunnerReady, Shutdown
 from gapless.core.common.process import RUNNER_IN, RUNNER_OUT, ControlReporter, stop_requested
+from gapless.gpu_runner.plan_check import PlanCheck
 from gapless.gpu_runner.threads import set_wait_policy
 
 IDLE_POLL_S = 0.1
@@ -34,6 +35,7 @@ def run_gpu_runner(config: EngineConfig) -> None:
         from gapless.gpu_runner.backend import make_backend
 
         backend = make_backend(config)
+        check = PlanCheck(config, backend.batch, backend.num_blocks)  # type: ignore[attr-defined]
         results.send(RunnerReady(num_kv_blocks=backend.num_blocks))
         control.ready(num_kv_blocks=backend.num_blocks)
         inflight: deque = deque()
@@ -45,7 +47,8 @@ def run_gpu_runner(config: EngineConfig) -> None:
                 for msg in plans.drain():
                     if isinstance(msg, Shutdown):
                         return
-                    inflight.append(backend.launch(msg))
+                    if check.accept(msg):  # why first: a plan the batch cannot run changes nothing
+                        inflight.append(backend.launch(msg))
             # 2. publish the oldest step once its ids are on the host
             if inflight and backend.seconds_until_ready(inflight[0]) <= 0:
                 results.send(backend.collect(inflight.popleft()))
