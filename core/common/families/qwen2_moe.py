@@ -18,7 +18,7 @@ def experts(config: dict) -> dict:
     n, step = int(config["num_hidden_layers"]), int(config.get("decoder_sparse_step") or 1)
     only = set(config.get("mlp_only_layers") or [])
     return dict(
-        num_experts=int(config["num_experts"]),
+        num_experts=int(config.get("num_experts") or config["num_local_experts"]),
         num_experts_per_tok=int(config["num_experts_per_tok"]),
         moe_intermediate_size=int(config["moe_intermediate_size"]),
         norm_topk_prob=bool(config.get("norm_topk_prob", False)),
