@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gapless.core.common.messages import SamplingParams
+from gapless.core.common.messages import SamplingParams, TokenBatch
 from tests.engine_harness import Harness, make_config
 from tests.family_models import FAMILIES, WINDOW, build
 
@@ -30,14 +30,14 @@ class Recorder(Harness):
         self.cached: dict[str, int] = {}
 
     def _detokenize(self, msg) -> None:
-        lps = getattr(msg, "logprobs", None)
-        if lps:
+        if isinstance(msg, TokenBatch):
             pos = 0
             for rid, n in zip(msg.request_ids, msg.counts, strict=True):
-                self.logprobs.setdefault(rid, []).extend(lp.logprob for lp in lps[pos : pos + n])
+                got = msg.logprobs[pos : pos + n] if msg.logprobs else []
+                self.logprobs.setdefault(rid, []).extend(lp.logprob for lp in got)
                 pos += n
-        for rid, n in zip(getattr(msg, "request_ids", []), getattr(msg, "num_cached_tokens", [])):
-            self.cached[rid] = n
+            if msg.num_cached_tokens:  # sent with a request's last tokens
+                self.cached.update(zip(msg.request_ids, msg.num_cached_tokens, strict=True))
         super()._detokenize(msg)
 
 
