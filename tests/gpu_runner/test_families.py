@@ -96,3 +96,41 @@ def test_greedy_and_logprobs_equal_transformers(family, run):
     if run != "overlap":
         assert h.scheduler.num_preemptions > 0, "the small cache was meant to force preemption"
     assert h.scheduler.blocks.num_free == h.scheduler.blocks.num_usable
+
+
+def _run(config, prompts) -> Recorder:
+    h = Recorder(config)
+    h.run({2 * i: [(f"r{i}", p, GREEDY)] for i, p in enumerate(prompts)})
+    return h
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["paged-kernel", "torch-attention"])
+@pytest.mark.parametrize("family", ["mistral", "gemma3"], indirect=True)
+def test_sliding_windows_on_each_cpu_attention_path(family, kernel):
+    """Prompts longer than the window decode through the paged kernel and through torch's
+    gather + SDPA, each with the window's mask."""
+    from gapless.gpu_runner import kernels
+
+    if kernel and not kernels.available(torch.float32):
+        pytest.skip("no C++ compiler for the paged kernel")
+    name, model_dir, prompts, want, _ = family
+    h = _run(make_config(model_dir, attention_kernel=kernel), prompts)
+    assert h.backend.attn.kernel == kernel
+    assert any(layer.self_attn.window == WINDOW for layer in h.backend.model.model.layers)
+    for i in range(len(prompts)):
+        assert h.outputs[f"r{i}"] == want[i], f"{name} r{i}: prompt of {len(prompts[i])} tokens"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gemma2", "mixtral"], indirect=True)
+def test_the_compiled_decode_step_equals_transformers(family):
+    """The compiled step with a family's options: Gemma 2's alternating windows and soft caps
+    (layers of the first layer's kind replay its graph, the others run eagerly), Mixtral's
+    experts (one operator in the graph)."""
+    name, model_dir, prompts, want, _ = family
+    h = _run(make_config(model_dir, compile=True), prompts)
+    layers = h.backend.graphs.forward.keywords["run_layers"]
+    assert h.backend.compiled and layers.num_graphs > 0
+    assert layers.num_replayed > 0, "layers of the first one's kind replay its graph"
+    for i in range(len(prompts)):
+        assert h.outputs[f"r{i}"] == want[i], f"{name} r{i}: prompt of {len(prompts[i])} tokens"
