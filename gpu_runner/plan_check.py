@@ -5,7 +5,8 @@ Plans come strictly in sequence; a plan frees only slots in use and adds only sl
 free, schedules each slot in use at most once, appends blocks of the KV pool (never the reserved
 block 0) within a slot's table, feeds ids of the vocabulary, and covers each entry's positions
 with the slot's blocks. The backends keep their asserts for the same invariants inside the
-process. Per step in steady decode: two lists made arrays and a few operations over [B].
+process. Per step in steady decode: the slots compared with the last plan's, the positions made
+an array and compared with the slots' blocks.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ class PlanCheck:
         self.vocab = config.model.vocab_size
         self.last_seq = 0
         self.bad = BadMessages("gpu_runner", log)
+        self._slots: list[int] | None = None  # the slots of the last plan that passed
+        self._slot_array = np.zeros(0, np.int64)  # [B] the same
 
     def accept(self, plan: StepPlan) -> bool:
         """Whether to launch plan; a plan that breaks an invariant is counted and dropped."""
@@ -48,8 +51,8 @@ class PlanCheck:
         if plan.seq != self.last_seq + 1:
             return "plan_out_of_order", "not the next in sequence"
         b = len(plan.slots)
-        lengths = (plan.num_tokens, plan.start_pos, plan.has_tokens, plan.sample)
-        if any(len(x) != b for x in lengths) or len(plan.num_new_blocks) != b:
+        n, pos, has, sample = plan.num_tokens, plan.start_pos, plan.has_tokens, plan.sample
+        if not len(n) == len(pos) == len(has) == len(sample) == len(plan.num_new_blocks) == b:
             return "plan_shape", f"per-entry lists of lengths other than {b}"
         active = self.batch.active
         if plan.freed_slots or plan.new_slots:
@@ -59,13 +62,18 @@ class PlanCheck:
             active = active.copy()
             active[plan.freed_slots] = False
             active[[new.slot for new in plan.new_slots]] = True
+        elif plan.slots == self._slots:  # steady decode: the slots the last plan had
+            return self._entries(plan, self._slot_array)
         slots = np.fromiter(plan.slots, np.int64, b)  # [B]
         if b and slots.min() < 0:
             return "plan_slots", "an entry names a negative slot"
         uses = np.bincount(slots, minlength=len(active))  # [S] entries per slot
         if len(uses) > len(active) or (uses > active).any():  # a slot not in use, or twice
             return "plan_slots", "an entry names a slot not in use, or a slot twice"
-        return self._entries(plan, slots)
+        problem = self._entries(plan, slots)
+        if problem is None:  # why: the set in use changes only with a plan that passed here
+            self._slots, self._slot_array = plan.slots, slots
+        return problem
 
     def _slot_changes(self, plan: StepPlan) -> str | None:
         """Freed slots are in use, new ones free once those are freed; new slots' params in
@@ -118,8 +126,11 @@ class PlanCheck:
                 return "plan_blocks", "a slot past its block table"
         if b:
             start = np.fromiter(plan.start_pos, np.int64, b)  # [B]
-            room = held * self.batch.block_size - (1 if num is None else num)  # [B] last start
-            if start.min() < 0 or (start > room).any():
+            end = held * self.batch.block_size  # [B] positions the slot's blocks hold
+            if num is not None:
+                end -= num - 1  # [B] past the last start that fits
+            # 0 <= start < end, as one unsigned compare: a negative start is huge unsigned
+            if np.count_nonzero(np.greater_equal(start.view(np.uint64), end.view(np.uint64))):
                 return "plan_positions", "an entry's positions outside its slot's blocks"
         return None
 

@@ -13,6 +13,7 @@ import zmq
 from prometheus_client import REGISTRY
 
 from gapless.core.common.channel import Receiver, Sender
+from gapless.core.common.config import EngineConfig, ModelInfo
 from gapless.core.common.messages import (
     ControlMessage,
     NewSlot,
@@ -31,6 +32,7 @@ from gapless.gpu_runner.plan_check import PlanCheck
 from gapless.gpu_runner.sim import SimBackend
 from tests.conftest import sim_config
 from tests.engine_harness import Harness
+from tests.gpu_runner.test_bench_prepare import BLOCK, MAX_MODEL_LEN, steady
 
 PROMPT = list(range(1000, 1040))  # 40 tokens
 
@@ -196,3 +198,33 @@ def test_the_runner_loop_drops_impossible_plans_and_runs_the_next(config, tmp_pa
         for socket in (control, results, *([plans] if plans else [])):
             socket.close()
         ctx.term()
+
+
+@pytest.mark.parametrize("batch", [1, 32, 256])
+def test_bench_plan_check_decode(benchmark, batch):
+    """The check's cost per steady-decode plan; test_bench_prepare.py's decode is the same plan
+    prepared (`pytest tests/gpu_runner -k "bench_plan_check or bench_prepare_decode"
+    --benchmark-enable`)."""
+    pb, _, plan = steady(batch)
+    model = ModelInfo(
+        path="unused",
+        architecture="llama",
+        vocab_size=49152,
+        max_model_len=MAX_MODEL_LEN,
+        eos_token_ids=(2,),
+    )
+    config = EngineConfig(model=model, served_model_name="x", max_num_seqs=batch)
+    check = PlanCheck(config, pb, num_blocks=batch * MAX_MODEL_LEN // BLOCK + 1)
+    assert check.problem(plan) is None  # the slots are now the last plan's
+
+    def fresh():  # why: each plan arrives as new lists, compared element by element
+        lists = {f: list(getattr(plan, f)) for f in ("slots", "start_pos", "num_tokens")}
+        return (msgspec.structs.replace(plan, **lists),), {}
+
+    problem = benchmark.pedantic(check.problem, setup=fresh, rounds=500)
+    assert problem is None
+    late = msgspec.structs.replace(plan, start_pos=[p + BLOCK for p in plan.start_pos])
+    assert check.problem(late) == (
+        "plan_positions",
+        "an entry's positions outside its slot's blocks",
+    )
