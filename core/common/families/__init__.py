@@ -73,4 +73,7 @@ def arch_from_config(raw: dict, source: str) -> ModelArch:
 def arch_from_gguf(meta: GGUFMeta, vocab_size: int) -> ModelArch:
     fam = for_gguf(meta.arch, bool(meta.metadata.get(f"{meta.arch}.expert_count")), meta.path)
     fields = {**gguf_shapes(meta, vocab_size), **gguf_experts(meta), **fam.gguf_options(meta)}
+    renormalize = meta.metadata.get(f"{meta.arch}.expert_weights_norm")
+    if renormalize is not None:  # newer llama.cpp files say it; older ones by architecture
+        fields["norm_topk_prob"] = bool(renormalize)
     return ModelArch(architecture=fam.name, **fields)

@@ -4,6 +4,8 @@ scores scaled by query_pre_attn_scalar."""
 
 from __future__ import annotations
 
+import numpy as np
+
 from gapless.core.common.families.base import Family, GGUFMeta, check_act, sliding
 
 GELU = ("gelu_pytorch_tanh", "gelu")
@@ -52,6 +54,12 @@ def gguf_shared(meta: GGUFMeta, pattern: int, big_layers: int) -> dict:
     n = int(meta.key("block_count"))
     head_dim = int(meta.key("attention.key_length", hidden // heads))
     window = int(meta.key("attention.sliding_window", 0))
+    # newer llama.cpp files name the pattern: a period, or each layer's flag
+    pattern = meta.metadata.get(f"{meta.arch}.attention.sliding_window_pattern", pattern)
+    if isinstance(pattern, int | np.integer):
+        slides = [bool((i + 1) % int(pattern)) for i in range(n)]
+    else:
+        slides = [bool(flag) for flag in pattern]
     return dict(
         sandwich_norm=True,
         hidden_act="gelu_pytorch_tanh",
@@ -59,7 +67,7 @@ def gguf_shared(meta: GGUFMeta, pattern: int, big_layers: int) -> dict:
         attn_scale=(hidden / heads if n == big_layers else head_dim) ** -0.5,
         final_softcap=float(meta.key("final_logit_softcapping", 0.0)),
         sliding_window=window,
-        sliding_layers=tuple(i for i in range(n) if (i + 1) % pattern) if window else (),
+        sliding_layers=tuple(i for i in range(n) if slides[i]) if window else (),
     )
 
 
