@@ -250,3 +250,99 @@ def test_errors(tmp_path: Path, tiny_hf_dir: Path) -> None:
     (tmp_path / "bad.gguf").write_bytes(b"\0" * 16)
     with pytest.raises(ValueError, match="not a GGUF"):
         resolve_model(str(tmp_path / "bad.gguf"))
+
+
+# config.json as the Hub's checkpoints write it (transformers 4 keys), shapes shrunk
+HUB = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, vocab_size=10,
+           num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+
+
+def _hub_arch(tmp_path: Path, **config):
+    return load_arch(_config_dir(tmp_path, **{**HUB, **config}))
+
+
+def test_hub_configs_of_every_family(tmp_path: Path) -> None:
+    arch = _hub_arch(tmp_path, model_type="mistral", sliding_window=4096)
+    assert arch.sliding_window == 4096 and arch.sliding_layers == (0, 1, 2, 3)
+    assert _hub_arch(tmp_path, model_type="mistral", sliding_window=None).sliding_window == 0
+    arch = _hub_arch(tmp_path, model_type="qwen3", use_sliding_window=False, sliding_window=4096,
+                     max_window_layers=28, attention_bias=False, head_dim=32)  # fmt: skip
+    assert arch.qk_norm and not arch.attention_bias and arch.head_dim == 32
+    assert arch.sliding_window == 0  # use_sliding_window is off
+    arch = _hub_arch(tmp_path, model_type="qwen2", use_sliding_window=True, sliding_window=8,
+                     max_window_layers=2)  # fmt: skip
+    assert arch.attention_bias and not arch.o_bias and arch.sliding_layers == (2, 3)
+    arch = _hub_arch(tmp_path, model_type="gemma2", head_dim=16, query_pre_attn_scalar=16)
+    assert (arch.norm_offset, arch.sandwich_norm, arch.hidden_act) == (
+        1.0,
+        True,
+        "gelu_pytorch_tanh",
+    )
+    assert (arch.attn_softcap, arch.final_softcap, arch.sliding_layers) == (50.0, 30.0, (0, 2))
+    assert arch.embed_scale == 8.0 and arch.scale == 0.25 and arch.tie_word_embeddings
+    gemma3 = dict(model_type="gemma3_text", head_dim=16, num_hidden_layers=6, rope_theta=1e6,
+                  rope_local_base_freq=1e4, rope_scaling={"rope_type": "linear", "factor": 8.0},
+                  sliding_window=512, sliding_window_pattern=6)  # fmt: skip
+    arch = _hub_arch(tmp_path, **gemma3)
+    assert arch.sliding_layers == (0, 1, 2, 3, 4) and arch.local_rope_theta == 1e4
+    assert arch.rope_scaling == {"rope_type": "linear", "factor": 8.0} and arch.qk_norm
+    assert arch.attn_softcap == 0.0 and arch.final_softcap == 0.0
+    multimodal = {
+        "model_type": "gemma3",
+        "text_config": {**HUB, **gemma3},
+        "eos_token_id": [1, 106],
+    }
+    (tmp_path / "config.json").write_text(json.dumps(multimodal))
+    assert load_arch(ModelInfo(path=str(tmp_path), architecture="gemma3", vocab_size=10,
+                               max_model_len=10, eos_token_ids=())) == arch  # fmt: skip
+    phi = dict(model_type="phi3", original_max_position_embeddings=4096,
+               max_position_embeddings=131072, partial_rotary_factor=0.75,
+               rope_scaling={"type": "longrope", "short_factor": [1.0] * 6,
+                             "long_factor": [2.0] * 6})  # fmt: skip
+    arch = _hub_arch(tmp_path, **phi)
+    assert arch.rope_scaling["rope_type"] == "longrope" and arch.rotary_dim == 12
+    assert arch.rope_scaling["original_max_position_embeddings"] == 4096
+    arch = _hub_arch(tmp_path, model_type="mixtral", num_local_experts=8, num_experts_per_tok=2)
+    assert (arch.num_experts, arch.num_experts_per_tok, arch.moe_intermediate_size) == (8, 2, 128)
+    moe = dict(model_type="qwen2_moe", num_experts=60, num_experts_per_tok=4,
+               moe_intermediate_size=32, shared_expert_intermediate_size=96,
+               mlp_only_layers=[0], decoder_sparse_step=2)  # fmt: skip
+    arch = _hub_arch(tmp_path, **moe)
+    assert arch.dense_layers == (0, 2) and not arch.norm_topk_prob
+    assert [arch.is_moe(i) for i in range(4)] == [False, True, False, True]
+    arch = _hub_arch(tmp_path, model_type="qwen3_moe", num_experts=128, num_experts_per_tok=8,
+                     moe_intermediate_size=32, norm_topk_prob=True)  # fmt: skip
+    assert arch.qk_norm and arch.norm_topk_prob and arch.shared_expert_intermediate_size == 0
+
+
+def test_rope_kinds_and_the_context_they_give(tmp_path: Path) -> None:
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    (tmp_path / "config.json").write_text(json.dumps({**HUB, "model_type": "qwen3",
+                                                      "max_position_embeddings": 40960,
+                                                      "rope_scaling": yarn}))  # fmt: skip
+    (tmp_path / "tokenizer.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    assert resolve_model(str(tmp_path)).max_model_len == 131072  # YaRN's stretched context
+    arch = load_arch(resolve_model(str(tmp_path)))
+    assert arch.rope_scaling["rope_type"] == "yarn" and arch.max_position == 131072
+    for kind in ({"type": "linear", "factor": 2.0}, {"rope_type": "dynamic", "factor": 2.0}):
+        arch = _hub_arch(tmp_path, model_type="llama", rope_scaling=kind)
+        assert arch.rope_scaling["rope_type"] == kind.get("rope_type", kind.get("type"))
+
+
+def test_a_family_not_listed_is_refused_naming_it_and_the_list(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({**HUB, "model_type": "deepseek_v3"}))
+    (tmp_path / "tokenizer.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ValueError, match="'deepseek_v3' is not supported") as err:
+        resolve_model(str(tmp_path))
+    for name in ("gemma2", "gemma3_text", "mixtral", "phi3", "qwen2_moe", "qwen3", "qwen3_moe"):
+        assert f"'{name}'" in str(err.value)
+    from gapless.core.common import families
+
+    with pytest.raises(
+        ValueError, match=r"x.gguf: architecture 'falcon' is not supported.*'qwen3moe'"
+    ):
+        families.for_gguf("falcon", False, "x.gguf")
+    assert families.for_gguf("llama", True, "x.gguf").name == "mixtral"
+    assert families.for_gguf("llama", False, "x.gguf").name == "llama"
