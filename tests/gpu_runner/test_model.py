@@ -173,3 +173,58 @@ def test_llama3_rope_scaling_matches_transformers():
         rope_scaling={k: v for k, v in scaling.items()},
     )
     torch.testing.assert_close(rope_inv_freq(arch), rot.inv_freq.float(), atol=1e-7, rtol=1e-5)
+
+
+ROPES = {
+    "linear": {"rope_type": "linear", "factor": 4.0},
+    "dynamic": {"rope_type": "dynamic", "factor": 2.0},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128},
+    "yarn-mscale": {
+        "rope_type": "yarn",
+        "factor": 8.0,
+        "original_max_position_embeddings": 64,
+        "mscale": 0.707,
+        "mscale_all_dim": 1.0,
+        "beta_fast": 16.0,
+    },  # fmt: skip
+    "llama3": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    },  # fmt: skip
+    "longrope": {
+        "rope_type": "longrope",
+        "short_factor": [1.0 + 0.1 * i for i in range(8)],
+        "long_factor": [2.0 + 0.5 * i for i in range(8)],
+        "original_max_position_embeddings": 64,
+    },  # fmt: skip
+}
+
+
+@pytest.mark.parametrize("kind", list(ROPES))
+def test_every_rope_kind_turns_as_transformers(kind):
+    """cos and sin of each RoPE kind at every position of the context, as transformers'
+    rotary embedding gives them (LongRoPE: one position at a time past the original
+    context, as a decode step asks)."""
+    from gapless.core.common.families import arch_from_config
+    from gapless.gpu_runner.model import Rope
+
+    params = {**ROPES[kind], "rope_theta": 50000.0}
+    cfg = transformers.LlamaConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=1,
+                                   max_position_embeddings=256, rope_parameters=params)  # fmt: skip
+    rot = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(cfg)
+    arch = arch_from_config({**cfg.to_dict(), "model_type": "llama"}, "test")
+    rope = Rope(arch, arch.rope_theta, arch.rope_scaling)
+    x = torch.zeros(1, dtype=torch.float32)
+    short = torch.arange(64)
+    want_cos, want_sin = rot(x, short[None])
+    cos, sin = rope(short)
+    torch.testing.assert_close(cos, want_cos[0], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(sin, want_sin[0], atol=1e-6, rtol=1e-5)
+    for p in (64, 100, 255):  # one decode position at a time, past any original context
+        want_cos, want_sin = rot(x, torch.tensor([[p]]))
+        cos, sin = rope(torch.tensor([p]))
+        torch.testing.assert_close(cos, want_cos[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(sin, want_sin[0], atol=1e-5, rtol=1e-5)
