@@ -134,6 +134,7 @@ class App:
             id=config.served_model_name,
             created=self._created,
             max_model_len=config.model.max_model_len,
+            family=config.model.architecture,
         )
         await out.json(200, ModelList(data=[card]))
 
@@ -145,7 +146,8 @@ class App:
             raise ApiError(
                 404, f"the model `{name}` does not exist", param="model", code="model_not_found"
             )
-        card = ModelCard(id=name, created=self._created, max_model_len=config.model.max_model_len)
+        card = ModelCard(id=name, created=self._created, max_model_len=config.model.max_model_len,
+                         family=config.model.architecture)  # fmt: skip
         await out.json(200, card)
 
     async def _tokenize(self, req: HttpRequest, out: Responder, caller: Caller) -> None:

@@ -149,6 +149,7 @@ class ModelCard(msgspec.Struct, kw_only=True):
     created: int
     max_model_len: int
     owned_by: str = "gapless"
+    family: str = ""  # the decoder family served (llama, qwen3, gemma2, mixtral, ...)
 
 
 class ModelList(msgspec.Struct, kw_only=True):

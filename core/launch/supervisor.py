@@ -181,7 +181,8 @@ def serve(config: EngineConfig) -> int:
         # block 0 is reserved for padding; report what requests can hold, as /metrics does
         blocks = max(0, ready["core"].info.get("num_kv_blocks", 0) - 1)
         _log(
-            f"engine ready in {time.monotonic() - t0:.1f}s: {blocks} KV blocks of "
+            f"engine ready in {time.monotonic() - t0:.1f}s: {config.model.architecture}, "
+            f"{blocks} KV blocks of "
             f"{config.block_size} tokens ({blocks * config.block_size} tokens)"
         )
         for i in range(config.api_servers):
