@@ -178,8 +178,9 @@ async def handle_chat(
     bad_words = await state.prompter.bad_words_ids(body.bad_words)
     base = sampling_params(body, 1, logprobs, config, bad_words)
     prompter = state.prompter
-    tools = await plan_tools(body, prompter.grammars)
-    grammar = await prompter.grammars.response_format(body.response_format)
+    tenant = tenant_of(caller, req.headers.get("x-tenant"), body.user)
+    tools = await plan_tools(body, prompter.grammars, tenant)
+    grammar = await prompter.grammars.response_format(body.response_format, tenant)
     if grammar is not None and tools.grammar is not None:
         raise bad_request(
             "response_format cannot be combined with a required or named tool_choice",
@@ -191,7 +192,6 @@ async def handle_chat(
     parser = make_parser(config.tool_call_parser) if tools.read_calls else None
     parallel = body.parallel_tool_calls is not False
     messages = template_messages(body.messages, tools, prompter.chat_template.takes_tools, parallel)
-    tenant = tenant_of(caller, req.headers.get("x-tenant"), body.user)
     priority = priority_of(body.priority, tenant, config)
     salt = cache_scope_of(tenant, check_cache_salt(body.cache_salt), config)
     response_id, created, model = (

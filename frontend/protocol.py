@@ -120,7 +120,8 @@ class JsonObjectFormat(msgspec.Struct, tag="json_object", tag_field="type"):
 class JsonSchemaSpec(msgspec.Struct, kw_only=True):
     name: str
     description: str | None = None
-    schema_: dict[str, Any] | None = msgspec.field(default=None, name="schema")
+    # true: any JSON value; false: nothing matches (a 400)
+    schema_: dict[str, Any] | bool | None = msgspec.field(default=None, name="schema")
     strict: bool | None = None  # true: a keyword the grammar engine lacks is a 400
 
 

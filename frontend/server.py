@@ -139,6 +139,8 @@ async def serve(
     engine = ZmqEngineClient(config, frontend_id, ctx)
     engine.start()
     app, executor = build_app(config, engine, tokenizer)
+    grammars = app.state.prompter.grammars
+    grammars.warm()  # why now: a worker's start would otherwise fall on the first schema
     server = _Server(
         uvicorn.Config(
             app,
@@ -179,6 +181,7 @@ async def serve(
     finally:
         watcher.cancel()
         sock.close()
+        grammars.close()  # kills the compile workers, whatever they are compiling
         await engine.close()
         executor.shutdown(wait=False, cancel_futures=True)
 

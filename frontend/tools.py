@@ -43,7 +43,9 @@ class ToolPlan:
     read_calls: bool  # read the answer for calls
 
 
-async def plan_tools(body: ChatCompletionRequest, grammars: Grammars) -> ToolPlan:
+async def plan_tools(
+    body: ChatCompletionRequest, grammars: Grammars, tenant: str = ""
+) -> ToolPlan:
     tools, choice = body.tools or [], body.tool_choice
     names = [t.function.name for t in tools]
     if len(set(names)) != len(names):
@@ -66,7 +68,7 @@ async def plan_tools(body: ChatCompletionRequest, grammars: Grammars) -> ToolPla
                 param="tool_choice.function.name",
             )
     parallel = body.parallel_tool_calls is not False and not isinstance(choice, NamedToolChoice)
-    grammar = await grammars.checked(_calls_grammar(forced, parallel), "tools")
+    grammar = await grammars.checked(_calls_grammar(forced, parallel), "tools", tenant)
     return ToolPlan(offered, grammar, True)
 
 

@@ -336,6 +336,25 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             "hermes = <tool_call>{...}</tool_call>"
         ),
     ] = "hermes"
+    grammar_workers: Annotated[
+        int,
+        msgspec.Meta(
+            description="processes per frontend that compile response_format and tool schemas "
+            "(compiles at once; a tenant gets at most half of them)",
+            ge=1,
+            extra={"metavar": "N"},
+        ),
+    ] = 2
+    grammar_memory: Annotated[
+        int,
+        msgspec.Meta(
+            description="memory one schema's compile may take; past it the compile ends with "
+            "a 400",
+            ge=1,
+            extra={"parse": "bytes"},
+        ),
+    ] = 256 * 2**20  # bytes, on top of what an idle compile worker holds
+    grammar_timeout_s: Annotated[float, NOT_A_FLAG] = 5.0  # a compile's deadline, and its wait
     chat_template: Annotated[
         str | None,
         msgspec.Meta(

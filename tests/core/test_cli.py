@@ -70,6 +70,8 @@ FLAGS = {
     "--sse-keepalive S": "15.0",
     "--max-prompts": "64",
     "--tool-call-parser {hermes}": "hermes",
+    "--grammar-workers N": "2",
+    "--grammar-memory GRAMMAR_MEMORY": "256MiB",
     "--chat-template FILE": None,
     "--drain-timeout": "30.0",
     "--log-level {debug,info,warning,error}": "info",

@@ -3,9 +3,17 @@
 
 from __future__ import annotations
 
+import asyncio
+import os
+import resource
+import time
+
 import httpx
 import llguidance
 import pytest
+
+from tests.frontend.conftest import build_app
+from tests.frontend.hostile_schemas import alive, runaway_schema, wait_gone
 
 pytestmark = pytest.mark.anyio
 USER = [{"role": "user", "content": "one two three"}]
@@ -87,3 +95,176 @@ async def test_unknown_response_format_type_is_a_400(client: httpx.AsyncClient) 
         "/v1/chat/completions", json={"messages": USER, "response_format": {"type": "xml"}}
     )
     assert r.status_code == 400 and r.json()["error"]["param"] == "response_format.type"
+
+
+@pytest.mark.parametrize(
+    ("schema", "keyword"),
+    [
+        ({"type": "string", "x-foo": 1}, "'x-foo' at #"),
+        ({"type": "string", "contentEncoding": "base64"}, "'contentEncoding' at #"),
+        (
+            {"type": "object", "properties": {"a": {"type": "string", "x-guidance": {}}}},
+            "'x-guidance' at #/properties/a",
+        ),
+        (
+            {"type": "array", "items": {"type": "integer", "nullable": True}},
+            "'nullable' at #/items",
+        ),
+    ],
+)
+async def test_strict_refuses_what_the_engine_would_ignore(client, engine, schema, keyword):
+    r = await client.post(
+        "/v1/chat/completions", json={"messages": USER, "response_format": json_format(schema)}
+    )
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "response_format.json_schema.schema"
+    assert keyword in error["message"], error["message"]
+    r = await client.post(
+        "/v1/chat/completions",
+        json={"messages": USER, "response_format": json_format(schema, strict=None)},
+    )
+    assert r.status_code == 200, r.text  # without strict it is ignored
+    assert len(engine.added) == 1
+
+
+async def test_strict_keeps_annotations(client: httpx.AsyncClient, engine) -> None:
+    from pydantic import BaseModel, Field
+
+    class City(BaseModel):
+        name: str = Field(description="its name", examples=["Paris"])
+        people: int = 0
+
+    r = await client.post(
+        "/v1/chat/completions",
+        json={"messages": USER, "response_format": json_format(City.model_json_schema())},
+    )
+    assert r.status_code == 200, r.text
+
+
+async def test_boolean_schemas(client: httpx.AsyncClient, engine) -> None:
+    r = await client.post(
+        "/v1/chat/completions", json={"messages": USER, "response_format": json_format(True)}
+    )
+    assert r.status_code == 200, r.text
+    grammar = engine.added[0].params.grammar
+    for text in ('{"a":[1,2]}', "[1,2]", '"x"', "3", "null"):  # any JSON value
+        assert accepts(grammar, text, engine.tokenizer), text
+    assert not accepts(grammar, "{a}", engine.tokenizer)
+    r = await client.post(
+        "/v1/chat/completions", json={"messages": USER, "response_format": json_format(False)}
+    )
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "response_format.json_schema.schema"
+    assert "no output can match" in error["message"]
+
+
+def rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def proc_cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+@pytest.fixture
+async def bounded(make_config, engine):
+    """A client of an app whose compiles stop at 1 s, and the app's grammar pool."""
+    app = build_app(make_config(grammar_timeout_s=1.0), engine)
+    grammars = app.state.prompter.grammars
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30) as c:
+        yield c, grammars.pool
+    grammars.close()
+
+
+async def test_runaway_schema_is_a_400_and_the_frontend_comes_back_to_rest(bounded) -> None:
+    client, pool = bounded
+    fmt = json_format(runaway_schema(), strict=False)
+    ok = await client.post(
+        "/v1/chat/completions", json={"messages": USER, "response_format": json_format(SCHEMA)}
+    )
+    assert ok.status_code == 200, ok.text
+    rss0 = rss_mb(os.getpid()) + sum(rss_mb(p) for p in pool.worker_pids)
+    t0 = time.monotonic()
+    body = {"messages": USER, "response_format": fmt}
+    request = asyncio.ensure_future(client.post("/v1/chat/completions", json=body))
+    await asyncio.sleep(0.5)
+    compiling = set(pool.worker_pids)
+    r = await request
+    took = time.monotonic() - t0
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "response_format.json_schema.schema"
+    assert "did not compile within 1 s" in error["message"]
+    assert took < 2.5, took
+    assert any(wait_gone(p, 1.0) for p in compiling)  # its worker was killed
+    await asyncio.sleep(1.0)  # a replacement starts (its tokenizer view)
+    workers = pool.worker_pids
+    assert workers and all(alive(p) for p in workers)
+    cpu0, worker_cpu0, wall0 = cpu_s(), sum(map(proc_cpu_s, workers)), time.monotonic()
+    await asyncio.sleep(1.0)
+    wall = time.monotonic() - wall0
+    assert (cpu_s() - cpu0) / wall < 0.2  # no thread compiles on in the frontend
+    assert (sum(map(proc_cpu_s, workers)) - worker_cpu0) / wall < 0.2  # nor in a worker
+    rss1 = rss_mb(os.getpid()) + sum(rss_mb(p) for p in workers)
+    assert rss1 - rss0 < 300, (rss0, rss1)
+    t0 = time.monotonic()  # the verdict is kept: a repeat costs nothing
+    again = await client.post("/v1/chat/completions", json=body)
+    assert again.status_code == 400 and time.monotonic() - t0 < 0.5
+
+
+async def test_ten_runaway_schemas_leave_chat_requests_unharmed(bounded, engine) -> None:
+    client, pool = bounded
+
+    async def hostile(i: int) -> int:
+        fmt = json_format(runaway_schema(10 + i), strict=False)
+        body = {"messages": USER, "response_format": fmt}
+        r = await client.post("/v1/chat/completions", json=body)
+        return r.status_code
+
+    async def ordinary(n: int) -> list[tuple[int, float]]:
+        out = []
+        for i in range(n):
+            body = {"messages": [{"role": "user", "content": f"hello number {i}"}]}
+            if i % 2:  # a schema compiled once already, and plain text
+                body["response_format"] = {"type": "json_object"}
+            t0 = time.monotonic()
+            r = await client.post("/v1/chat/completions", json=body)
+            out.append((r.status_code, time.monotonic() - t0))
+            await asyncio.sleep(0.05)
+        return out
+
+    first = await client.post(
+        "/v1/chat/completions",
+        json={"messages": USER, "response_format": {"type": "json_object"}},
+    )
+    assert first.status_code == 200
+    t0 = time.monotonic()
+    attack = asyncio.gather(*(hostile(i) for i in range(10)))
+    chats = await ordinary(30)
+    codes = await attack
+    took = time.monotonic() - t0
+    assert all(code in (400, 429) for code in codes), codes
+    assert codes.count(400) >= 1
+    assert [c for c, _ in chats] == [200] * 30
+    slowest = max(t for _, t in chats)
+    assert slowest < 1.0, slowest
+    assert took < 6.0, took
+    await asyncio.sleep(1.5)  # replacements have started
+    workers = pool.worker_pids
+    assert len(workers) <= 2
+    cpu0, worker_cpu0, wall0 = cpu_s(), sum(map(proc_cpu_s, workers)), time.monotonic()
+    await asyncio.sleep(1.0)
+    wall = time.monotonic() - wall0
+    assert (cpu_s() - cpu0) / wall < 0.2
+    assert (sum(map(proc_cpu_s, workers)) - worker_cpu0) / wall < 0.2
