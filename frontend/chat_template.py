@@ -23,6 +23,10 @@ class TemplateTimeout(Exception):
     pass
 
 
+class TemplateTooLong(Exception):
+    pass
+
+
 def _check_deadline() -> None:
     deadline = getattr(_local, "deadline", None)
     if deadline is not None and time.monotonic() > deadline:
@@ -140,6 +144,13 @@ class ChatTemplate:
                 f"rendering messages with the chat template took longer than {self.timeout_s} s",
                 param="messages",
             ) from None
+        except TemplateTooLong:
+            raise bad_request(
+                f"messages render to more than {self.max_chars} characters, more than the "
+                "model accepts",
+                param="messages",
+                code="context_length_exceeded",
+            ) from None
         except Exception as exc:  # why: the template and the messages are both data, not code
             name = "" if isinstance(exc, jinja2.TemplateError) else f"{type(exc).__name__}: "
             raise bad_request(
@@ -157,9 +168,7 @@ class ChatTemplate:
             for piece in self._template.generate(ctx):
                 size += len(piece)
                 if size > self.max_chars:
-                    raise jinja2.TemplateError(
-                        f"the rendered prompt is longer than {self.max_chars} characters"
-                    )
+                    raise TemplateTooLong
                 _check_deadline()
                 parts.append(piece)
             return "".join(parts)

@@ -1,6 +1,10 @@
 """Prompts to token ids: completion prompts as given, chat messages through the template.
 
-Tokenizing runs in an executor thread so a long prompt never stalls the event loop.
+A text longer than the model could ever accept is refused before it is tokenized
+(`max_prompt_chars`). Tokenizing runs in an executor thread through `encode_batch_fast`, which
+releases the GIL while it works (`encode` holds it throughout, so the event loop would stop for
+as long as a long prompt takes) and keeps no character offsets (freeing them takes the GIL
+again, for several times as long as building the ids list).
 """
 
 from __future__ import annotations
@@ -20,6 +24,18 @@ from gapless.frontend.errors import bad_request
 from gapless.frontend.structured import Grammars
 
 CompletionPrompt = str | list[int | str | list[int]]
+# why: a normalizer (NFC, say) may merge several characters into one before the tokens are cut
+NORMALIZED_SLACK = 4
+
+
+def max_prompt_chars(tokenizer: tokenizers.Tokenizer, max_model_len: int) -> int:
+    """Characters past which no text fits in max_model_len tokens: no token covers more of
+    the text than the vocabulary's longest token has characters (a byte-level token's string
+    has one character per byte, so never fewer than the text it covers), times
+    NORMALIZED_SLACK if the tokenizer normalizes the text first."""
+    longest = max(map(len, tokenizer.get_vocab(with_added_tokens=True)), default=1)
+    slack = 1 if tokenizer.normalizer is None else NORMALIZED_SLACK
+    return max_model_len * max(longest, 1) * slack
 
 
 class Prompter:
@@ -38,6 +54,7 @@ class Prompter:
             return (tokenizer.id_to_token(token_id) or "") if token_id is not None else ""
 
         self.grammars = Grammars(tokenizer, config, executor)
+        self.max_chars = max_prompt_chars(tokenizer, model.max_model_len)
         source = model.chat_template
         if config.chat_template is not None:
             source = Path(config.chat_template).read_text(encoding="utf-8")
@@ -46,7 +63,7 @@ class Prompter:
             bos_token=token_text(model.bos_token_id),
             eos_token=token_text(model.eos_token_ids[0] if model.eos_token_ids else None),
             timeout_s=config.chat_template_timeout_s,
-            max_chars=8 * config.max_body_bytes,
+            max_chars=min(8 * config.max_body_bytes, self.max_chars),
             executor=executor,
         )
 
@@ -72,6 +89,7 @@ class Prompter:
         if isinstance(one, str):
             if not one:
                 raise bad_request("prompt must not be empty", param="prompt")
+            self._check_length(one, "prompt")
             t0 = time.perf_counter()
             bos = self.config.model.bos_token_id if self.config.model.add_bos_token else None
             ids = await self._encode(one, bos)
@@ -95,6 +113,7 @@ class Prompter:
         for word in words or ():
             if not word.strip():
                 raise bad_request("bad_words must not hold empty words", param="bad_words")
+            self._check_length(word, "bad_words")
             for variant in (word, " " + word.lstrip()):
                 ids = tuple(await self._encode(variant, None))
                 if ids:
@@ -111,17 +130,28 @@ class Prompter:
             raise bad_request("messages must not be empty", param="messages")
         t0 = time.perf_counter()
         text = await self.chat_template.render(messages, **render)
+        self._check_length(text, "messages")
         ids = await self._encode(text, None)
         metrics.observer.tokenized(time.perf_counter() - t0)
         return ids
 
+    def _check_length(self, text: str, param: str) -> None:
+        if len(text) > self.max_chars:
+            limit = self.config.model.max_model_len
+            raise bad_request(
+                f"{param} is {len(text)} characters; no text longer than {self.max_chars} "
+                f"characters fits the context length of {limit} tokens",
+                param=param,
+                code="context_length_exceeded",
+            )
+
     async def _encode(self, text: str, bos: int | None) -> list[int]:
         loop = asyncio.get_running_loop()
-        encoding = await loop.run_in_executor(
-            self._executor, self.tokenizer.encode, text, None, False, False
-        )
-        ids = encoding.ids
+        ids = await loop.run_in_executor(self._executor, self._ids, text)
         return [bos, *ids] if bos is not None else ids
+
+    def _ids(self, text: str) -> list[int]:
+        return self.tokenizer.encode_batch_fast([text], False, False)[0].ids
 
 
 def _prompts(prompt: CompletionPrompt) -> list[str | list[int]]:
