@@ -353,9 +353,14 @@ def _cat_blocks(parts: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ..
 
 
 def quantize_model(model: nn.Module, mode: str, model_path: str, arch: ModelArch) -> None:
-    """Swap the decoder's linear layers (and the output layer) for quantized ones, in place."""
+    """Swap the decoder's linear layers (and the output layer) for quantized ones, in place.
+    A mixture of experts' routed experts (stacked weights, not linear layers) and its router
+    keep --dtype; its attention, shared expert and output layer are quantized."""
     if mode == "none":
         return
+    if arch.num_experts:
+        log.info("%s: the routed experts stay in %s, unquantized", mode,
+                 str(model.lm_head.weight.dtype).removeprefix("torch."))  # fmt: skip
     assert mode in ("int8", "int4", "w8a8", "int4-dual"), f"unknown quantization {mode!r}"
     path = Path(model_path)
     exact = q4_1_blocks(path, arch) if mode.startswith("int4") and path.is_file() else {}

@@ -44,7 +44,7 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     "qwen2_moe": (
         "Qwen2MoeConfig",
         dict(num_hidden_layers=3, num_experts=8, moe_intermediate_size=48,
-             shared_expert_intermediate_size=80, mlp_only_layers=[1], **EXPERTS),
+             shared_expert_intermediate_size=64, mlp_only_layers=[1], **EXPERTS),
     ),  # fmt: skip
     "qwen3_moe": (
         "Qwen3MoeConfig",

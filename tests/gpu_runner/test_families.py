@@ -134,3 +134,49 @@ def test_the_compiled_decode_step_equals_transformers(family):
     assert layers.num_replayed > 0, "layers of the first one's kind replay its graph"
     for i in range(len(prompts)):
         assert h.outputs[f"r{i}"] == want[i], f"{name} r{i}: prompt of {len(prompts[i])} tokens"
+
+
+@pytest.mark.parametrize("mode", ["int8", "w8a8", "int4"])
+@pytest.mark.parametrize("family", list(FAMILIES), indirect=True)
+def test_quantized_families_stay_near_float32(family, mode):
+    """Every family takes the cpu's quantized layers (a mixture of experts keeps its routed
+    experts in --dtype): a step's logits stay close to the float32 model's."""
+    from gapless.core.common.model_files import load_arch, resolve_model
+    from gapless.gpu_runner.model import CausalLM
+    from gapless.gpu_runner.quant import QUANTIZED, quantize_model
+    from gapless.gpu_runner.runner import has_fbgemm
+    from gapless.gpu_runner.weights import load_weights
+
+    if mode == "w8a8" and not has_fbgemm():
+        pytest.skip("no fbgemm")
+    name, model_dir, prompts, _, _ = family
+    info = resolve_model(str(model_dir))
+    arch = load_arch(info)
+    models = []
+    for quantization in ("none", mode):
+        model = CausalLM(arch)
+        model.load(load_weights(info, arch, torch.float32))
+        quantize_model(model, quantization, info.path, arch)
+        models.append(model.eval())
+    swapped = [n for n, m in models[1].named_modules() if n.rsplit(".", 1)[-1] in QUANTIZED
+               and not isinstance(m, torch.nn.Linear)]  # fmt: skip
+    assert len(swapped) >= 2 * arch.num_layers
+    ids = torch.tensor(prompts[1])
+    dense, quant = (_logits(m, arch, ids) for m in models)
+    cos = torch.nn.functional.cosine_similarity(dense, quant, dim=-1)
+    assert cos.min() > (0.99 if mode == "int4" else 0.999), f"{name} {mode}: {cos.min()}"
+
+
+def _logits(model, arch, ids: torch.Tensor) -> torch.Tensor:
+    import numpy as np
+
+    from gapless.gpu_runner.attention import StepLayout, TorchAttention
+
+    n, bs = len(ids), 16
+    pages = np.arange(1, -(-n // bs) + 1)[None, :]
+    layout = StepLayout(np.array([n]), np.array([n]), pages, bs)
+    meta = TorchAttention(4, 512, bs, arch.scale, False).build(layout, torch.arange(n) + bs)
+    kv = [tuple(torch.zeros((pages.size + 1) * bs, arch.num_kv_heads, arch.head_dim)
+                for _ in range(2)) for _ in range(arch.num_layers)]  # fmt: skip
+    with torch.no_grad():
+        return model(ids, torch.arange(n), kv, meta, torch.arange(n))
