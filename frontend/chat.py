@@ -88,7 +88,7 @@ class ChatChunks:
             reader = self._readers[index]
             parsed = reader.feed(delta.text)
             if reason is not None:
-                rest = reader.finish()
+                rest = reader.finish(cut=reason == "length")
                 parsed = Parsed(parsed.content + rest.content, parsed.calls + rest.calls)
             text = parsed.content
             if parsed.calls:
@@ -136,7 +136,7 @@ def _message(
     """The whole answer as a message, and its finish_reason (tool_calls if it made calls)."""
     if parser is None:
         return AssistantMessage(text, "assistant"), reason
-    parsed = parser.parse(text)
+    parsed = parser.parse(text, cut=reason == "length")
     if not parsed.calls:
         return AssistantMessage(text, "assistant"), reason
     calls = [ToolCallOut(c.id, CallOut(c.name, c.arguments)) for c in parsed.calls]

@@ -4,12 +4,14 @@
 A parser turns the whole text into content and calls (`parse`), and makes a streaming reader
 (`reader`) that takes text as it comes and returns what can be sent now: content, and each call
 once its text is complete (a call goes out whole, in one delta, which the openai client
-assembles like any other).
+assembles like any other). A text cut short (finish_reason length, `cut`) still reports the
+call it was writing once its name is whole, with its arguments as far as they came.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -34,13 +36,13 @@ class StreamReader(Protocol):
         start a call)."""
         ...
 
-    def finish(self) -> Parsed:
-        """The rest, at the end of the output."""
+    def finish(self, cut: bool = False) -> Parsed:
+        """The rest, at the end of the output (cut: it ended at max_tokens)."""
         ...
 
 
 class ToolParser(Protocol):
-    def parse(self, text: str) -> Parsed: ...
+    def parse(self, text: str, cut: bool = False) -> Parsed: ...
 
     def reader(self) -> StreamReader: ...
 
@@ -52,10 +54,10 @@ class HermesParser:
 
     OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
-    def parse(self, text: str) -> Parsed:
+    def parse(self, text: str, cut: bool = False) -> Parsed:
         reader = self.reader()
         first = reader.feed(text)
-        rest = reader.finish()
+        rest = reader.finish(cut)
         return Parsed(first.content + rest.content, first.calls + rest.calls)
 
     def reader(self) -> _HermesReader:
@@ -78,6 +80,21 @@ class HermesParser:
         if not isinstance(args, dict):
             return None
         return ParsedCall(value["name"], json.dumps(args, ensure_ascii=False))
+
+    @staticmethod
+    def started_call(block: str) -> ParsedCall | None:
+        """The call a block cut short was writing: `{"name":"NAME","arguments":` and what
+        came of the arguments, as written; None before the name is whole."""
+        head = _CALL_HEAD.match(block)
+        if head is None:
+            return None
+        try:
+            name = json.loads(head.group("name"))
+        except ValueError:
+            return None
+        rest = block[head.end() :]
+        args = _ARGS_KEY.match(rest)
+        return ParsedCall(name, rest[args.end() :] if args is not None else "")
 
 
 class _HermesReader:
@@ -113,17 +130,25 @@ class _HermesReader:
             self._inside = False
         return Parsed("".join(content), calls)
 
-    def finish(self) -> Parsed:
-        """An unclosed block is a call if its JSON is whole (the model stopped at the closing
-        tag), else content."""
+    def finish(self, cut: bool = False) -> Parsed:
+        """An unclosed block is a call if its JSON is whole (the model stopped at or in the
+        closing tag), or if the output was cut while it wrote one; else content."""
         rest, self._buffer = self._buffer, ""
         if not self._inside:
             return Parsed(rest, [])
         self._inside = False
-        call = HermesParser.call_of(rest.strip())
+        block = rest[: len(rest) - _partial_suffix(rest, HermesParser.CLOSE)]
+        call = HermesParser.call_of(block.strip())
+        if call is None and cut:
+            call = HermesParser.started_call(block)
         if call is None:
             return Parsed(HermesParser.OPEN + rest, [])
         return Parsed("", [call])
+
+
+# a call's JSON up to its whole name (a JSON string), then its arguments key
+_CALL_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*(?P<name>"(?:[^"\\]|\\.)*")')
+_ARGS_KEY = re.compile(r'\s*,\s*"(?:arguments|parameters)"\s*:\s*')
 
 
 def _partial_suffix(text: str, tag: str) -> int:

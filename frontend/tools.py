@@ -7,7 +7,9 @@ tool_choice:
   the answer;
 - `required` / a named function: the answer is constrained by a grammar to one call (or several,
   one per line, with parallel_tool_calls) in the Hermes format, whose arguments follow the
-  function's parameters schema; it is read back with the Hermes parser.
+  function's parameters schema, with no property it does not declare unless the schema says
+  otherwise (additionalProperties); it is read back with the Hermes parser, and a call cut by
+  max_tokens is still reported, its arguments as far as they came.
 
 A template that renders `tools` itself gets them as Hugging Face passes them. Otherwise (the
 default model's template has no tools) the fallback below is used: the tools are described in
@@ -23,6 +25,7 @@ from typing import Any
 
 from gapless.frontend.errors import bad_request
 from gapless.frontend.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, Tool
+from gapless.frontend.schema_rules import closed_objects, strict_problem
 from gapless.frontend.structured import Grammars
 
 FALLBACK_PROMPT = """You can call functions to help answer. To call one, write
@@ -43,9 +46,7 @@ class ToolPlan:
     read_calls: bool  # read the answer for calls
 
 
-async def plan_tools(
-    body: ChatCompletionRequest, grammars: Grammars, tenant: str = ""
-) -> ToolPlan:
+async def plan_tools(body: ChatCompletionRequest, grammars: Grammars, tenant: str = "") -> ToolPlan:
     tools, choice = body.tools or [], body.tool_choice
     names = [t.function.name for t in tools]
     if len(set(names)) != len(names):
@@ -86,26 +87,46 @@ def _tool_dict(tool: Tool) -> dict[str, Any]:
 
 
 def _calls_grammar(tools: list[Tool], parallel: bool) -> str:
-    """A Lark grammar (llguidance) for Hermes-format calls of these tools, compact JSON."""
+    """A Lark grammar (llguidance) for Hermes-format calls of these tools, compact JSON. Each
+    function's arguments are a %json rule of their own, so `$ref`s in its parameters resolve
+    against its parameters; their objects are closed (schema_rules.closed_objects)."""
     import llguidance
 
-    options = {"whitespace_flexible": False, "lenient": not all(t.function.strict for t in tools)}
-    one_of = [
-        {
-            "type": "object",
-            "properties": {
-                "name": {"const": t.function.name},
-                "arguments": t.function.parameters or {"type": "object"},
-            },
-            "required": ["name", "arguments"],
-            "additionalProperties": False,
-        }
-        for t in tools
-    ]
-    schema = {"anyOf": one_of, "x-guidance": options}
+    rules = []
+    for i, tool in enumerate(tools):
+        rules += _function_rules(tool, f"fn{i}")
+    calls = " | ".join(f"fn{i}" for i in range(len(tools)))
     start = 'start: call ("\\n" call)*' if parallel else "start: call"
-    lark = f'{start}\ncall: "<tool_call>" args "</tool_call>"\nargs: %json {json.dumps(schema)}\n'
-    return llguidance.LLMatcher.grammar_from_lark(lark)
+    lark = "\n".join([start, f'call: "<tool_call>" ({calls}) "</tool_call>"', *rules])
+    return llguidance.LLMatcher.grammar_from_lark(lark + "\n")
+
+
+def _function_rules(tool: Tool, rule: str) -> list[str]:
+    """`{"name":NAME,"arguments":ARGS}` of one function, ARGS a %json of its parameters."""
+    f = tool.function
+    params = f.parameters if f.parameters is not None else {"type": "object"}
+    where = f"function {f.name!r}"
+    try:
+        if f.strict and (problem := strict_problem(params)) is not None:
+            raise bad_request(
+                f"tools cannot be used: {where} is strict, and keyword {problem} of its "
+                "parameters is not enforced by the grammar engine",
+                param="tools",
+            )
+        schema = {
+            **closed_objects(params),
+            "x-guidance": {"whitespace_flexible": False, "lenient": not f.strict},
+        }
+        args = json.dumps(schema)
+    except RecursionError:
+        raise bad_request(
+            f"tools: the parameters of {where} nest too deeply", param="tools"
+        ) from None
+    return [
+        f'{rule}: "{{\\"name\\":" {rule}_name ",\\"arguments\\":" {rule}_args "}}"',
+        f"{rule}_name: %json {json.dumps({'const': f.name})}",
+        f"{rule}_args: %json {args}",
+    ]
 
 
 def template_messages(

@@ -11,7 +11,7 @@ import pytest
 
 from gapless.core.common.grammars import make_tokenizer
 from gapless.frontend.tool_parsers import HermesParser
-from tests.frontend.conftest import sse_events
+from tests.frontend.conftest import build_app, sse_events
 
 pytestmark = pytest.mark.anyio
 USER = [{"role": "user", "content": "Weather in Paris?"}]
@@ -184,3 +184,156 @@ async def test_tool_round_trip_renders(client: httpx.AsyncClient, engine) -> Non
         '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>' in prompt
     )
     assert "<tool_response>\n18 C and sunny\n</tool_response>" in prompt
+
+
+def _person_tool() -> dict:
+    """A function whose parameters pydantic wrote: `$defs` and `$ref "#/$defs/..."`."""
+    from pydantic import BaseModel
+
+    class Address(BaseModel):
+        street: str
+        city: str
+
+    class Person(BaseModel):
+        name: str
+        home: Address
+        work: Address | None = None
+
+    params = Person.model_json_schema()
+    assert "$defs" in params and params["properties"]["home"] == {"$ref": "#/$defs/Address"}
+    return {"type": "function", "function": {"name": "save_person", "parameters": params}}
+
+
+@pytest.fixture
+async def wide_client(make_config, engine):
+    """A client of an app whose context holds a pydantic schema in the fallback prompt."""
+    app = build_app(make_config(model_overrides={"max_model_len": 4096}), engine)
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as c:
+        yield c
+    app.state.prompter.grammars.close()
+
+
+@pytest.mark.parametrize("choice", ["required", "named"])
+async def test_forced_calls_resolve_refs_against_the_functions_parameters(
+    wide_client: httpx.AsyncClient, engine, choice
+) -> None:
+    person = _person_tool()
+    tool_choice = (
+        {"type": "function", "function": {"name": "save_person"}} if choice == "named" else choice
+    )
+    r = await wide_client.post(
+        "/v1/chat/completions",
+        json={"messages": USER, "tools": [WEATHER, person], "tool_choice": tool_choice},
+    )
+    assert r.status_code == 200, r.text
+    grammar = engine.added[0].params.grammar
+    args = '{"name":"Ada","home":{"street":"1 Main St","city":"Paris"}}'
+    call = f'<tool_call>{{"name":"save_person","arguments":{args}}}</tool_call>'
+    assert accepts(grammar, call, engine.tokenizer)
+    with_work = args[:-1] + ',"work":{"street":"2 Side St","city":"Rome"}}'
+    assert accepts(grammar, call.replace(args, with_work), engine.tokenizer)
+    assert not accepts(grammar, call.replace('"city":"Paris"', '"town":"Paris"'), engine.tokenizer)
+    assert accepts(grammar, CALL, engine.tokenizer) == (choice == "required")
+
+
+async def test_forced_calls_take_no_undeclared_properties(client: httpx.AsyncClient, engine):
+    weather = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {  # says nothing of additionalProperties
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string"},
+                    "where": {"type": "object", "properties": {"lat": {"type": "number"}}},
+                    "extra": {"type": "object", "additionalProperties": True},
+                },
+                "required": ["city"],
+            },
+        },
+    }
+    r = await client.post(
+        "/v1/chat/completions",
+        json={"messages": USER, "tools": [weather, TIME], "tool_choice": "required"},
+    )
+    assert r.status_code == 200, r.text
+    grammar, tok = engine.added[0].params.grammar, engine.tokenizer
+
+    def call(name: str, args: str) -> str:
+        return f'<tool_call>{{"name":"{name}","arguments":{args}}}</tool_call>'
+
+    assert accepts(grammar, call("get_weather", '{"city":"Paris"}'), tok)
+    assert not accepts(grammar, call("get_weather", '{"city":"Paris","country":"FR"}'), tok)
+    assert accepts(grammar, call("get_weather", '{"city":"Paris","where":{"lat":1.5}}'), tok)
+    assert not accepts(grammar, call("get_weather", '{"city":"P","where":{"lat":1,"x":2}}'), tok)
+    assert accepts(grammar, call("get_weather", '{"city":"P","extra":{"any":[1]}}'), tok)
+    assert accepts(grammar, call("get_time", "{}"), tok)
+    assert not accepts(grammar, call("get_time", '{"zone":"UTC"}'), tok)
+    # the template still sees the parameters as written
+    prompt = engine.tokenizer.decode(engine.added[0].prompt_token_ids)
+    assert '"additionalProperties": false' not in prompt
+
+
+async def test_strict_function_refuses_what_the_engine_would_ignore(client, engine) -> None:
+    tool = json.loads(json.dumps(WEATHER))
+    tool["function"]["strict"] = True
+    tool["function"]["parameters"]["properties"]["city"]["x-foo"] = 1
+    body = {"messages": USER, "tools": [tool], "tool_choice": "required"}
+    r = await client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "tools"
+    assert "'x-foo' at #/properties/city" in error["message"]
+    assert "get_weather" in error["message"]
+    del tool["function"]["strict"]
+    r = await client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize(
+    ("text", "name", "arguments", "content"),
+    [
+        ('<tool_call>{"name":"get_weather","arguments":{"city":"Pa', "get_weather",
+         '{"city":"Pa', ""),
+        ('<tool_call>{"name":"get_weather",', "get_weather", "", ""),
+        ('Sure. <tool_call>{"name": "get_weather", "arguments": {', "get_weather", "{",
+         "Sure. "),
+        ('<tool_call>{"name":"get_wea', None, None, '<tool_call>{"name":"get_wea'),
+        ('<tool_call>{"name":"get_weather","arguments":{"city":"Paris"}}</tool', "get_weather",
+         '{"city": "Paris"}', ""),
+    ],
+)  # fmt: skip
+def test_a_call_cut_by_max_tokens_is_still_reported(text, name, arguments, content) -> None:
+    from gapless.core.common.messages import TextDelta
+    from gapless.frontend.chat import ChatChunks, _message
+
+    message, reason = _message(text, "length", HermesParser())
+    assert reason == "length"
+    if name is None:
+        assert message.tool_calls is None and message.content == content
+    else:
+        (call,) = message.tool_calls
+        assert (call.function.name, call.function.arguments) == (name, arguments)
+        assert (message.content or "") == content
+    not_cut = HermesParser().parse(text)  # ended otherwise: a broken block stays content
+    if text.endswith("</tool"):  # whole JSON, stopped in the closing tag: a call either way
+        assert [c.name for c in not_cut.calls] == [name]
+    else:
+        assert not_cut.calls == [] and not_cut.content == text
+    chunks = ChatChunks("id", 0, "m", False, HermesParser())
+    events = []
+    for i in range(0, len(text), 7):
+        last = i + 7 >= len(text)
+        delta = TextDelta("r", text[i : i + 7], [1], 1, i + 1, "length" if last else None)
+        if (chunk := chunks.delta(0, delta)) is not None:
+            events.append(json.loads(chunk))
+    final = events[-1]["choices"][0]
+    assert final["finish_reason"] == "length"
+    calls = [c for e in events for c in e["choices"][0]["delta"].get("tool_calls") or []]
+    if name is None:
+        assert calls == []
+    else:
+        assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+            (name, arguments)
+        ]
