@@ -97,6 +97,7 @@ def _resolve_hf(path: Path, cap: int | None) -> ModelInfo:
     _check_dir(path)
     raw = _read_json(path / "config.json")
     family, config = families.read_config(raw, str(path / "config.json"))
+    families.arch_from_config(raw, str(path))  # why here: a family's refusal before any spawn
     tok_config = _read_json(path / "tokenizer_config.json")
     tok_json = _read_json(path / "tokenizer.json")
     gen_config = _read_json(path / "generation_config.json")

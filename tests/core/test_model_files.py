@@ -346,3 +346,16 @@ def test_a_family_not_listed_is_refused_naming_it_and_the_list(tmp_path: Path) -
         families.for_gguf("falcon", False, "x.gguf")
     assert families.for_gguf("llama", True, "x.gguf").name == "mixtral"
     assert families.for_gguf("llama", False, "x.gguf").name == "llama"
+
+
+def test_an_option_a_family_lacks_is_refused_when_resolving(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({**HUB, "model_type": "llama",
+                                                      "mlp_bias": True}))  # fmt: skip
+    (tmp_path / "tokenizer.json").write_text("{}")
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    with pytest.raises(NotImplementedError, match="MLP biases"):
+        resolve_model(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({**HUB, "model_type": "gemma2",
+                                                      "hidden_activation": "relu"}))  # fmt: skip
+    with pytest.raises(NotImplementedError, match="'relu' is not supported"):
+        resolve_model(str(tmp_path))
