@@ -69,9 +69,14 @@ def experts_masked(x, ids, weights, gate_up, down, act: str) -> torch.Tensor:
 
 
 def _grouped_fits(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
-    # the cuda kernels take bfloat16 rows of 16-byte multiples
+    # the cuda kernels (Hopper on) take bfloat16 rows of 16-byte multiples, row- or
+    # column-major: the experts' weights transposed are column-major as stored
+    if not hasattr(torch, "_grouped_mm") or x.dtype != torch.bfloat16:
+        return False
+    if x.device.type == "cuda" and torch.cuda.get_device_capability(x.device) < (9, 0):
+        return False
     sizes = (gate_up.shape[1], gate_up.shape[2], down.shape[1])
-    return x.dtype == torch.bfloat16 and all(s % 8 == 0 for s in sizes)
+    return all(s % 8 == 0 for s in sizes)
 
 
 @torch.library.custom_op("gapless::moe_experts", mutates_args=())
@@ -86,7 +91,7 @@ def moe_experts(
     if x.device.type == "cpu":
         return experts_loop(x, ids, weights, gate_up, down, act)
     # MEASURE: grouped GEMM against the masked loop (and flashinfer's fused MoE) on a GPU
-    if hasattr(torch, "_grouped_mm") and _grouped_fits(x, gate_up, down):
+    if _grouped_fits(x, gate_up, down):
         return experts_grouped(x, ids, weights, gate_up, down, act)
     return experts_masked(x, ids, weights, gate_up, down, act)
 
