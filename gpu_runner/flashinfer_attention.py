@@ -130,12 +130,12 @@ class FlashinferAttention:
                              window_left=window_left(window), **dtypes)  # fmt: skip
                 self._after_plan(wrapper)
             return meta
-        qo_indptr = torch.from_numpy(np.cumsum(layout.num_tokens, dtype=np.int32))
-        qo_indptr = torch.cat([torch.zeros(1, dtype=torch.int32), qo_indptr])
+        qo_indptr = np.zeros(size + 1, dtype=np.int32)
+        np.cumsum(layout.num_tokens, out=qo_indptr[1:])
         meta = FlashinferMeta(self.prefill, slot_mapping, self.block_size)
         for window, wrapper in meta.wrappers.items():
             self._before_plan(wrapper)
-            wrapper.plan(qo_indptr, indptr, indices, last, *shape, causal=True,
+            wrapper.plan(torch.from_numpy(qo_indptr), indptr, indices, last, *shape, causal=True,
                          window_left=window_left(window), **dtypes)  # fmt: skip
             self._after_plan(wrapper)
         return meta
