@@ -65,3 +65,68 @@ def test_engine_on_cuda_runs_every_family_shape(family_dir):
     got = h.run({2 * i: [(f"r{i}", p, params)] for i, p in PROMPTS.items()})
     assert all(len(got[f"r{i}"]) == 24 for i in PROMPTS)
     assert h.scheduler.blocks.num_free == h.scheduler.blocks.num_usable
+
+
+class _Wrapper:
+    """Stands in for a flashinfer wrapper: records its plans and which one ran."""
+
+    ran: list = []
+
+    def __init__(self, *args, **kwargs) -> None:
+        self.kwargs = kwargs
+        self.plans: list[dict] = []
+
+    def plan(self, *args, **kwargs) -> None:
+        self.plans.append(kwargs)
+
+    def run(self, q, kv):
+        _Wrapper.ran.append(self)
+        return q
+
+
+class _Event:
+    def record(self) -> None: ...
+
+    def query(self) -> bool:
+        return True
+
+
+def test_flashinfer_plans_a_wrapper_per_window_with_the_cap_and_scale(monkeypatch, tmp_path,
+                                                                      tiny_model_dir):  # fmt: skip
+    """Without a GPU: the plan parameters flashinfer gets for Gemma 2 (a window on alternate
+    layers, soft-capped scores, query_pre_attn_scalar), and which wrapper each layer runs."""
+    import sys
+    import types
+
+    import numpy as np
+
+    from gapless.core.common.model_files import load_arch, resolve_model
+    from gapless.gpu_runner.attention import StepLayout
+    from gapless.gpu_runner.flashinfer_attention import FlashinferAttention
+
+    fake = types.SimpleNamespace(BatchPrefillWithPagedKVCacheWrapper=_Wrapper,
+                                 BatchDecodeWithPagedKVCacheWrapper=_Wrapper)  # fmt: skip
+    monkeypatch.setitem(sys.modules, "flashinfer", fake)
+    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
+    build("gemma2", tmp_path, tiny_model_dir, **SHAPES["gemma2"])
+    arch = load_arch(resolve_model(str(tmp_path)))
+    attn = FlashinferAttention(arch, BS, 8, torch.bfloat16, torch.device("cpu"))
+    graph = attn.add_graph_size(2, torch.zeros(2, dtype=torch.long))
+    assert set(graph.wrappers) == set(attn.decode) == set(attn.prefill) == {0, WINDOW}
+    for layout in (
+        StepLayout(np.array([40, 3]), np.array([40, 3]), np.array([[1, 2, 3], [4, 0, 0]]), BS),
+        StepLayout(np.array([1, 1]), np.array([41, 4]), np.array([[1, 2, 3], [4, 0, 0]]), BS),
+    ):
+        meta = attn.build(layout, torch.zeros(2, dtype=torch.long))
+        for window, wrapper in meta.wrappers.items():
+            plan = wrapper.plans[-1]
+            assert plan["window_left"] == (WINDOW - 1 if window else -1)
+            assert plan["logits_soft_cap"] == 4.0 and plan["sm_scale"] == 64**-0.5
+        assert (meta is graph) == layout.is_decode
+        q = torch.zeros(2, 4, 64)
+        kv = torch.zeros(8 * BS, 2, 64)
+        _Wrapper.ran.clear()
+        meta.attend(q, q[:, :2], q[:, :2], kv, kv.clone(), WINDOW, 4.0)
+        meta.attend(q, q[:, :2], q[:, :2], kv, kv.clone())
+        assert _Wrapper.ran == [meta.wrappers[WINDOW], meta.wrappers[0]]
