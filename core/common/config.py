@@ -49,7 +49,7 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
     """Facts about the model, read from its metadata (no weights) before any process starts."""
 
     path: str  # a Hugging Face directory or a .gguf file
-    architecture: str  # "llama" or "qwen2"
+    architecture: str  # the decoder family (core/common/families): "llama", "gemma2", ...
     vocab_size: int
     max_model_len: int  # context length the engine enforces
     eos_token_ids: tuple[int, ...]
