@@ -228,3 +228,20 @@ def test_every_rope_kind_turns_as_transformers(kind):
         cos, sin = rope(torch.tensor([p]))
         torch.testing.assert_close(cos, want_cos[0], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(sin, want_sin[0], atol=1e-5, rtol=1e-5)
+
+
+def test_gguf_rope_factors_divide_the_frequencies_as_llama3s():
+    """llama.cpp writes llama3's scaling as per-frequency divisors (rope_freqs): the same
+    frequencies as the scaling computed from config.json's keys."""
+    from gapless.core.common.families import arch_from_config
+    from gapless.gpu_runner.model import Rope
+
+    params = {**ROPES["llama3"], "rope_theta": 50000.0}
+    cfg = dict(model_type="llama", hidden_size=64, num_attention_heads=4, num_hidden_layers=1,
+               vocab_size=8, max_position_embeddings=256, rope_parameters=params)  # fmt: skip
+    arch = arch_from_config(cfg, "test")
+    plain = Rope(arch, arch.rope_theta, None).inv
+    scaled = Rope(arch, arch.rope_theta, arch.rope_scaling).inv
+    factors = {"rope_type": "factors", "factors": (plain / scaled).tolist()}
+    torch.testing.assert_close(Rope(arch, arch.rope_theta, factors).inv, scaled)
+    assert not torch.allclose(plain, scaled)
