@@ -21,6 +21,7 @@ from gapless.gpu_runner.batch import SLOT_MAPPING
 from gapless.gpu_runner.flashinfer_attention import FlashinferAttention, import_flashinfer
 from gapless.gpu_runner.runner import ModelRunner, step_result
 from gapless.gpu_runner.sampler import SampleOutput
+from gapless.gpu_runner.startup import first_blocks, sizes_by_kv, start
 
 POLL_S = 0.0002  # a guess at the wait left when the ids are not on the host yet
 
@@ -49,10 +50,18 @@ def _timed() -> torch.cuda.Event:
 class CudaBackend(ModelRunner):
     def __init__(self, config: EngineConfig) -> None:
         import_flashinfer()  # fail before loading weights when the extra is missing
+        since = time.perf_counter()
         super().__init__(config, device="cuda")
         self.copy_stream = torch.cuda.Stream()
-        if self.use_graphs:
-            self.capture()
+        self._set_clock()
+        # kernels built, largest step run, KV cache sized, graphs captured (gpu_runner/startup.py)
+        self.ready_info = start(self, since)
+        self._set_clock()
+
+    def first_kv_blocks(self) -> int:
+        return first_blocks(self) if sizes_by_kv(self) else super().first_kv_blocks()
+
+    def _set_clock(self) -> None:
         # clock: one event and perf_counter taken together map device times to the host clock
         torch.cuda.synchronize()
         self._epoch = _timed()

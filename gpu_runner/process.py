@@ -37,7 +37,8 @@ def run_gpu_runner(config: EngineConfig) -> None:
         backend = make_backend(config)
         check = PlanCheck(config, backend.batch, backend.num_blocks)  # type: ignore[attr-defined]
         results.send(RunnerReady(num_kv_blocks=backend.num_blocks))
-        control.ready(num_kv_blocks=backend.num_blocks)
+        # cuda: the KV cache's bytes, the memory budget and the startup stages' ms as well
+        control.ready(num_kv_blocks=backend.num_blocks, **getattr(backend, "ready_info", {}))
         inflight: deque = deque()
         while not stop_requested():
             # 1. launch every plan that is waiting; wait for one no longer than the oldest

@@ -14,7 +14,7 @@ from functools import partial
 import numpy as np
 import torch
 
-from gapless.core.common.config import EngineConfig, max_useful_blocks
+from gapless.core.common.config import CPU_KV_CACHE_MEMORY, EngineConfig, max_useful_blocks
 from gapless.core.common.messages import (
     PromptLogprobs,
     SampleLogprobs,
@@ -111,11 +111,17 @@ def cpu_flags() -> set[str]:
     return set()
 
 
-def num_kv_blocks(arch: ModelArch, config: EngineConfig, dtype: torch.dtype) -> int:
-    """Blocks that fit in --kv-cache-memory, and no more than max_num_seqs full contexts need."""
+def kv_block_bytes(arch: ModelArch, block_size: int, dtype: torch.dtype) -> int:
+    """K and V of one block of block_size tokens over every layer."""
     elem = torch.empty((), dtype=dtype).element_size()
-    per_block = 2 * arch.num_layers * config.block_size * arch.num_kv_heads * arch.head_dim * elem
-    fit = config.kv_cache_memory // per_block
+    return 2 * arch.num_layers * block_size * arch.num_kv_heads * arch.head_dim * elem
+
+
+def num_kv_blocks(arch: ModelArch, config: EngineConfig, dtype: torch.dtype) -> int:
+    """Blocks that fit in --kv-cache-memory (its cpu default when not given), and no more than
+    max_num_seqs full contexts need."""
+    memory = CPU_KV_CACHE_MEMORY if config.kv_cache_memory is None else config.kv_cache_memory
+    fit = memory // kv_block_bytes(arch, config.block_size, dtype)
     cap = max_useful_blocks(config.max_num_seqs, config.model.max_model_len, config.block_size)
     return int(min(fit, cap))
 
@@ -156,19 +162,9 @@ class ModelRunner:
         log.info("%s: %s activations, %s weights", config.served_model_name,
                  str(self.dtype).removeprefix("torch."), self.quantization)  # fmt: skip
         self.model = model.eval()
-        self.num_blocks = num_kv_blocks(arch, config, self.dtype)
+        self.num_blocks = self.first_kv_blocks()
         assert self.num_blocks >= 2, "--kv-cache-memory holds less than one KV block"
-        rows = self.num_blocks * config.block_size
-        # per layer (K, V), each [rows, kv_heads, head_dim]: flashinfer's NHD pages. why not
-        # one tensor: a compiled step mutates its inputs in place only when none is a view
-        self.kv_cache = [
-            tuple(
-                torch.zeros(rows, arch.num_kv_heads, arch.head_dim, dtype=self.dtype,
-                            device=self.device)
-                for _ in range(2)
-            )
-            for _ in range(arch.num_layers)
-        ]  # fmt: skip
+        self.kv_cache = self.make_kv_cache(self.num_blocks)
         self.max_blocks_per_seq = -(-config.model.max_model_len // config.block_size)
         sizes = capture_sizes(config.max_num_seqs)
         self.batch = PersistentBatch(
@@ -219,6 +215,24 @@ class ModelRunner:
                 )  # fmt: skip
                 self.compiled = False
                 self.graphs.forward = self.forward
+
+    def first_kv_blocks(self) -> int:
+        """KV blocks allocated at start (cuda may size the cache again once it has measured)."""
+        return num_kv_blocks(self.arch, self.config, self.dtype)
+
+    def make_kv_cache(self, num_blocks: int) -> list:
+        """Per layer (K, V), each [num_blocks * block_size, kv_heads, head_dim], zeros:
+        flashinfer's NHD pages. why not one tensor: a compiled step mutates its inputs in place
+        only when none is a view"""
+        rows, arch = num_blocks * self.config.block_size, self.arch
+        return [
+            tuple(
+                torch.zeros(rows, arch.num_kv_heads, arch.head_dim, dtype=self.dtype,
+                            device=self.device)
+                for _ in range(2)
+            )
+            for _ in range(arch.num_layers)
+        ]  # fmt: skip
 
     @torch.inference_mode()
     def prime_decode(self, size: int) -> None:

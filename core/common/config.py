@@ -108,15 +108,30 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         ),
     ] = "auto"
     # scheduling
+    # scheduling; DEVICE_DEFAULTS gives some of these another default on a GPU
     max_num_seqs: Annotated[int, msgspec.Meta(description="requests running at once", ge=1)] = 64
     max_num_batched_tokens: Annotated[
         int, msgspec.Meta(description="token budget per step", ge=1)
     ] = 512
     block_size: Annotated[int, msgspec.Meta(description="tokens per KV block", ge=1)] = 16
     kv_cache_memory: Annotated[
-        int,
-        msgspec.Meta(description="KV cache size, K and V of all layers", extra={"parse": "bytes"}),
-    ] = 512 * 2**20  # bytes
+        Annotated[int, msgspec.Meta(ge=1)] | None,
+        msgspec.Meta(
+            description="KV cache size, K and V of all layers (default: 512MiB on cpu; on "
+            "cuda, what --gpu-memory-utilization leaves)",
+            extra={"parse": "bytes"},
+        ),
+    ] = None  # bytes
+    gpu_memory_utilization: Annotated[
+        float,
+        msgspec.Meta(
+            description="share of the GPU's memory the cuda device takes: the weights, the "
+            "largest step's activations and CUDA graphs, measured at start, and the KV cache "
+            "in what is left (unless --kv-cache-memory sizes it)",
+            gt=0,
+            le=1,
+        ),
+    ] = 0.9
     overlap: Annotated[
         bool,
         msgspec.Meta(
@@ -348,8 +363,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     grammar_memory: Annotated[
         int,
         msgspec.Meta(
-            description="memory one schema's compile may take; past it the compile ends with "
-            "a 400",
+            description="memory one schema's compile may take; past it the compile ends with a 400",
             ge=1,
             extra={"parse": "bytes"},
         ),
@@ -424,6 +438,15 @@ def encode_config(config: EngineConfig) -> str:
 
 def decode_config(text: str | bytes) -> EngineConfig:
     return msgspec.json.decode(text, type=EngineConfig)
+
+
+CPU_KV_CACHE_MEMORY = 512 * 2**20  # bytes: --kv-cache-memory's default on cpu
+# flag defaults that differ by --device (`gapless serve` resolves them; a config built in code
+# takes the field's default): a GPU step of 8192 tokens over 256 sequences keeps it busy where
+# the cpu's 512 over 64 would leave most of it idle
+DEVICE_DEFAULTS: dict[str, dict[str, int]] = {
+    "cuda": {"max_num_seqs": 256, "max_num_batched_tokens": 8192},
+}
 
 
 def max_useful_blocks(max_num_seqs: int, max_model_len: int, block_size: int) -> int:

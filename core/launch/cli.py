@@ -15,7 +15,13 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec.structs import FieldInfo
 
-from gapless.core.common.config import EngineConfig, TenantSpec, check_tenant_name, encode_config
+from gapless.core.common.config import (
+    DEVICE_DEFAULTS,
+    EngineConfig,
+    TenantSpec,
+    check_tenant_name,
+    encode_config,
+)
 from gapless.core.launch.keys_file import KeysFile, read_keys_file
 from gapless.gpu_runner.sim_profiles import list_profiles
 
@@ -129,17 +135,23 @@ def add_config_flags(p: argparse.ArgumentParser, cls: type[msgspec.Struct] = Eng
         if typing.get_origin(kind) is Literal:
             choices = list(typing.get_args(kind))
             parse = type(choices[0])
+        per_device = {d: v[field.name] for d, v in DEVICE_DEFAULTS.items() if field.name in v}
         if "env" in extra:  # why: help must not print the secret itself
             text += f" (default: ${extra['env']})"
+        elif per_device:
+            others = "; ".join(f"{show(v)} on {d}" for d, v in per_device.items())
+            text += f" (default: {show(default)}; {others})"
         elif default is not None:
             text += f" (default: {show(default)})"
+        if per_device:
+            default = None  # config_from_args fills it in for the --device given
         p.add_argument(
             name,
             dest=field.name,
             metavar=None if choices else extra.get("metavar", name[2:].upper().replace("-", "_")),
             type=parse if choices else _checked(parse, field.type),  # argparse names choices
             # a string default goes through type: "512MiB" -> 536870912
-            default=show(default) if "parse" in extra else default,
+            default=show(default) if "parse" in extra and default is not None else default,
             choices=choices,
             help=text,
         )
@@ -194,6 +206,10 @@ def config_from_args(
     else:
         name = DEFAULT_NAME
     flags = {field.name: getattr(args, field.name) for field, _, _ in config_flags(cls)}
+    for field, _, _ in config_flags(cls):  # a flag left out whose default depends on --device
+        if flags[field.name] is None and any(field.name in v for v in DEVICE_DEFAULTS.values()):
+            by_device = DEVICE_DEFAULTS.get(flags["device"], {})
+            flags[field.name] = by_device.get(field.name, field.default)
     config = cls(
         model=info,
         served_model_name=name,

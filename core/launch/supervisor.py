@@ -52,6 +52,22 @@ def make_run_dir() -> str:
     return tempfile.mkdtemp(prefix=f"{RUN_PREFIX}{os.getpid()}-", dir=base)
 
 
+def device_note(info: dict[str, int]) -> str:
+    """What the cuda runner's READY adds to the ready line: the KV cache's size, the memory
+    budget it was sized in, and that every kernel was built and run."""
+    if "kv_cache_bytes" not in info:
+        return ""
+    gib = 2**30
+    note = f", KV cache {info['kv_cache_bytes'] / gib:.2f} GiB"
+    if "memory_budget_bytes" in info:
+        share = info["memory_budget_bytes"] / info["memory_total_bytes"]
+        note += (
+            f" of a {info['memory_budget_bytes'] / gib:.2f} GiB budget "
+            f"({share:.2f} of {info['memory_total_bytes'] / gib:.2f} GiB)"
+        )
+    return note + ", kernels built and warmed up"
+
+
 class EngineFailed(Exception):
     pass
 
@@ -184,6 +200,7 @@ def serve(config: EngineConfig) -> int:
             f"engine ready in {time.monotonic() - t0:.1f}s: {config.model.architecture}, "
             f"{blocks} KV blocks of "
             f"{config.block_size} tokens ({blocks * config.block_size} tokens)"
+            + device_note(ready["gpu_runner"].info)
         )
         for i in range(config.api_servers):
             sup.spawn("frontend", str(i))

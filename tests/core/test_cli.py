@@ -34,10 +34,11 @@ FLAGS = {
     "--device {cpu,sim,cuda}": "cpu",
     "--dtype {auto,bfloat16,float32,float16}": "auto",
     "--quantization {auto,none,int8,int4,w8a8,int4-dual}": "auto",
-    "--max-num-seqs": "64",
-    "--max-num-batched-tokens": "512",
+    "--max-num-seqs": "64; 256 on cuda",
+    "--max-num-batched-tokens": "512; 8192 on cuda",
     "--block-size": "16",
-    "--kv-cache-memory": "512MiB",
+    "--kv-cache-memory": "512MiB on cpu; on cuda, what --gpu-memory-utilization leaves",
+    "--gpu-memory-utilization": "0.9",
     "--no-overlap": "overlap on",
     "--deep-plan-ms": "4.0",
     "--no-prefix-caching": "prefix caching on",
@@ -215,6 +216,24 @@ def test_counts_below_one_are_refused(flag, capsys):
         serve_config(flag, "0")
     assert e.value.code == 2
     assert f"argument {flag}: Expected `int` >= 1" in capsys.readouterr().err
+
+
+def test_scheduling_defaults_depend_on_the_device():
+    cpu, sim, cuda = (serve_config("--device", d) for d in ("cpu", "sim", "cuda"))
+    assert (cpu.max_num_seqs, cpu.max_num_batched_tokens) == (64, 512)
+    assert (sim.max_num_seqs, sim.max_num_batched_tokens) == (64, 512)
+    assert (cuda.max_num_seqs, cuda.max_num_batched_tokens) == (256, 8192)
+    assert cpu.kv_cache_memory is cuda.kv_cache_memory is None  # each device sizes its own
+    given = serve_config("--device", "cuda", "--max-num-seqs", "32", "--kv-cache-memory", "2GiB")
+    assert (given.max_num_seqs, given.max_num_batched_tokens) == (32, 8192)
+    assert given.kv_cache_memory == 2 * 2**30 and given.gpu_memory_utilization == 0.9
+
+
+@pytest.mark.parametrize("value", ["0", "1.5", "-0.2"])
+def test_gpu_memory_utilization_is_a_share(value, capsys):
+    with pytest.raises(SystemExit):
+        serve_config("--gpu-memory-utilization", value)
+    assert "--gpu-memory-utilization" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -146,6 +146,61 @@ def test_engine_greedy_on_cuda_equals_transformers(cuda_model_dir):
     assert [got[f"r{i}"] for i in range(len(prompts))] == want
 
 
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("graphs", [True, False])
+def test_ready_means_every_kernel_built_and_the_cache_sized(
+    cuda_model_dir, graphs, caplog, monkeypatch
+):
+    from flashinfer.jit.core import JitSpec
+
+    from gapless.gpu_runner.runner import kv_block_bytes
+
+    caplog.set_level("INFO", logger="gapless.gpu_runner")
+    cuda = _cuda(cuda_model_dir, cuda_graph=graphs, max_num_batched_tokens=256)
+    stages = [r.getMessage() for r in caplog.records if "cuda startup:" in r.getMessage()]
+    names = ["weights loaded", "kernels built", "largest step run", "KV cache sized"]
+    names += ["CUDA graphs captured"] if graphs else []
+    assert [m.split(": ", 1)[1].split(" in ")[0] for m in stages] == names
+    info = cuda.ready_info
+    per_block = kv_block_bytes(cuda.arch, BS, cuda.dtype)
+    assert info["kv_cache_bytes"] == cuda.num_blocks * per_block
+    free, total = torch.cuda.mem_get_info()
+    assert info["memory_total_bytes"] == total
+    assert info["memory_budget_bytes"] == int(total * 0.9)
+    assert torch.cuda.memory_allocated() <= info["memory_budget_bytes"]
+
+    # what requests meet next compiles nothing: a prompt step, decodes, a mixed step
+    def refuse(*args, **kwargs):
+        raise AssertionError("a kernel was compiled after the runner said ready")
+
+    monkeypatch.setattr(JitSpec, "build_and_load", refuse)
+    plans = Plans(BS)
+    _step(cuda, plans.step(PROMPTS, []))
+    for _ in range(3):
+        _step(cuda, plans.step({}, list(PROMPTS)))
+    _step(cuda, plans.step({3: list(range(7, 207))}, list(PROMPTS)))
+
+
+@pytest.mark.gpu
+@gpu
+def test_kv_cache_memory_overrides_the_sizing(cuda_model_dir):
+    from gapless.gpu_runner.runner import kv_block_bytes
+
+    per_block = kv_block_bytes(_arch(cuda_model_dir), BS, torch.bfloat16)
+    cuda = _cuda(cuda_model_dir, kv_cache_memory=40 * per_block)
+    assert cuda.num_blocks == 40
+    assert "memory_budget_bytes" not in cuda.ready_info
+    assert cuda.ready_info["kv_cache_bytes"] == 40 * per_block
+    assert all(not c.any() for kv in cuda.kv_cache for c in kv)  # the warm-up left nothing
+
+
+def _arch(model_dir):
+    from gapless.core.common.model_files import load_arch, resolve_model
+
+    return load_arch(resolve_model(str(model_dir)))
+
+
 def test_missing_flashinfer_is_a_clear_error(tiny_model_dir, monkeypatch):
     from gapless.gpu_runner.cuda import CudaBackend
 
