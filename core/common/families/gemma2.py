@@ -22,11 +22,11 @@ def shared(config: dict) -> dict:
     """The options Gemma 2 and 3 share."""
     if config.get("use_bidirectional_attention"):
         raise NotImplementedError("bidirectional attention (an embedding model) is not supported")
-    act = config.get("hidden_activation") or config.get("hidden_act")
+    key = "hidden_activation" if config.get("hidden_activation") else "hidden_act"
     return dict(
         norm_offset=1.0,
         sandwich_norm=True,
-        hidden_act=check_act({"act": act}, "act", GELU),
+        hidden_act=check_act(config, key, GELU),
         embed_scale=float(config["hidden_size"]) ** 0.5,
         attn_scale=float(config["query_pre_attn_scalar"]) ** -0.5,
         final_softcap=float(config.get("final_logit_softcapping") or 0.0),
