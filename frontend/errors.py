@@ -93,6 +93,10 @@ def decode_body(decoder: msgspec.json.Decoder[T], raw: bytes) -> T:
     try:
         return decoder.decode(raw)
     except msgspec.DecodeError as exc:
+        if isinstance(exc, msgspec.ValidationError) and "got `float`" in str(exc):
+            whole = _whole_floats_as_ints(raw, decoder.type)
+            if whole is not None:
+                return whole
         raise from_decode_error(exc) from None
     except UnicodeDecodeError as exc:
         raise bad_request(
@@ -102,3 +106,23 @@ def decode_body(decoder: msgspec.json.Decoder[T], raw: bytes) -> T:
         raise bad_request(
             "request body is nested too deeply to decode", code="json_too_deep"
         ) from None
+
+
+def _whole_floats_as_ints(raw: bytes, schema: type[T]) -> T | None:
+    """The body decoded again with each float that is a whole number (`1.0`) read as an int,
+    as JSON Schema's integer is any number without a fraction; None if it still does not fit.
+    Only a body that failed on a float comes here."""
+    try:
+        return msgspec.convert(_whole(msgspec.json.decode(raw)), schema)
+    except (msgspec.ValidationError, RecursionError):
+        return None
+
+
+def _whole(value: object) -> object:
+    if isinstance(value, float):
+        return int(value) if value.is_integer() else value
+    if isinstance(value, list):
+        return [_whole(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _whole(v) for k, v in value.items()}
+    return value

@@ -1,4 +1,13 @@
-"""GET /openapi.json: an OpenAPI 3.1 document built from the msgspec schemas themselves."""
+"""GET /openapi.json: an OpenAPI 3.1 document built from the msgspec schemas themselves.
+
+With the running config it states what the server checks: value ranges, the shapes a prompt
+may take, which fields need another (`top_logprobs` needs `logprobs`), and `/tokenize`'s one of
+`prompt` or `messages`. A few rules depend on more than a body's shape and are stated in prose
+only (tests/frontend/schema_hooks.py lists them): a prompt and max_tokens within the context
+length (the prompt's tokens are known only once tokenized), min_tokens at most the output
+budget, distinct tool names, a named tool_choice among the tools, a response_format or tool
+schema the grammar engine compiles, and continue_final_message's last message.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +22,9 @@ from gapless.core.common.config import (
     PRIORITY_NAMES,
     EngineConfig,
 )
+from gapless.core.common.messages import KEEP_STEPS
 from gapless.frontend.errors import ErrorResponse
+from gapless.frontend.params import MAX_CACHE_SALT_CHARS, MAX_LOGIT_BIAS
 from gapless.frontend.protocol import ChatCompletionRequest, CompletionRequest
 from gapless.frontend.responses import (
     ChatCompletion,
@@ -43,6 +54,20 @@ def _errors(*statuses: int) -> dict[str, Any]:
     return {str(s): {"description": "error", **body} for s in statuses}
 
 
+def _stream_event(chunk: str) -> dict[str, Any]:
+    """One server-sent event of a stream: `data:` holds a chunk, an error object (a failure
+    after the stream began), or `[DONE]` last."""
+    data = {
+        "type": "string",
+        "if": {"const": "[DONE]"},
+        "else": {
+            "contentMediaType": "application/json",
+            "contentSchema": {"anyOf": [_ref(chunk), _ref("ErrorResponse")]},
+        },
+    }
+    return {"type": "object", "required": ["data"], "properties": {"data": data}}
+
+
 def _generate(request: str, whole: str, chunk: str, summary: str) -> dict[str, Any]:
     return {
         "post": {
@@ -54,10 +79,10 @@ def _generate(request: str, whole: str, chunk: str, summary: str) -> dict[str, A
             "responses": {
                 "200": {
                     "description": "the whole answer, or with stream=true an SSE stream of "
-                    "`data: <chunk>` events ending with `data: [DONE]`",
+                    f"`data: <{chunk}>` events ending with `data: [DONE]`",
                     "content": {
                         "application/json": {"schema": _ref(whole)},
-                        "text/event-stream": {"schema": _ref(chunk)},
+                        "text/event-stream": {"schema": _stream_event(chunk)},
                     },
                 },
                 **_errors(400, 401, 404, 413, 429, 500, 503),
@@ -88,7 +113,45 @@ def _get(schema: str, summary: str, *errors: int) -> dict[str, Any]:
     return {"get": {"summary": summary, "responses": {"200": ok, **_errors(*errors)}}}
 
 
+def _parameter(name: str, where: str, schema: dict[str, Any], description: str) -> dict:
+    return {
+        "name": name,
+        "in": where,
+        "required": where == "path",
+        "description": description,
+        "schema": schema,
+    }
+
+
 _INT64 = 2**63
+# what Python's str.strip() removes (str.isspace), spelled out: a regex's \s is another set
+_SPACE = "\\t-\\r \\x1c-\\x1f\\x85\\xa0\\u1680\\u2000-\\u200a\\u2028\\u2029\\u202f\\u205f\\u3000"
+
+
+def below(n: int) -> str:
+    """A regex for the decimal numbers 0 .. n - 1 without leading zeros (n >= 1)."""
+    top = str(n - 1)
+    options = [f"[0-9]{{1,{len(top) - 1}}}"] if len(top) > 1 else []
+    for i, digit in enumerate(top):  # numbers of len(top) digits: share a prefix, then lower
+        low = "1" if i == 0 and len(top) > 1 else "0"
+        if int(digit) > int(low):
+            options.append(f"{top[:i]}[{low}-{int(digit) - 1}][0-9]{{{len(top) - i - 1}}}")
+    options.append(top)
+    return "|".join(options)
+
+
+def _token_ids(config: EngineConfig, **extra: Any) -> dict[str, Any]:
+    vocab_id = {"type": "integer", "minimum": 0, "maximum": config.model.vocab_size - 1}
+    return {"type": "array", "items": vocab_id, **extra}
+
+
+def _prompt(config: EngineConfig) -> dict[str, Any]:
+    """A text, token ids, or a batch of either (frontend.prompts): none empty, ids of the
+    vocabulary, fewer ids than the context holds, at most --max-prompts in a batch."""
+    text = {"type": "string", "minLength": 1}
+    ids = _token_ids(config, minItems=1, maxItems=config.model.max_model_len - 1)
+    batch = {"type": "array", "minItems": 1, "maxItems": config.max_prompts}
+    return {"anyOf": [text, ids, {**batch, "items": {"anyOf": [text, ids]}}]}
 
 
 def _ranges(config: EngineConfig) -> dict[str, dict[str, Any]]:
@@ -96,7 +159,8 @@ def _ranges(config: EngineConfig) -> dict[str, dict[str, Any]]:
     running config included), so a schema fuzzer generates what the server accepts."""
     vocab_id = {"minimum": 0, "maximum": config.model.vocab_size - 1}
     logprobs = {"integer": {"minimum": 0, "maximum": config.max_logprobs}}
-    budget = {"integer": {"minimum": 1, "maximum": config.model.max_model_len}}
+    # why one short of the context: every prompt has a token, and both must fit in it
+    budget = {"integer": {"minimum": 1, "maximum": config.model.max_model_len - 1}}
     return {
         "max_tokens": budget,
         "max_completion_tokens": budget,
@@ -111,11 +175,22 @@ def _ranges(config: EngineConfig) -> dict[str, dict[str, Any]]:
         "seed": {"integer": {"minimum": -_INT64, "maximum": _INT64 - 1}},
         "logprobs": logprobs,
         "top_logprobs": logprobs,
+        "min_tokens": {"integer": {"minimum": 0}},
         "stop": {
             "string": {"minLength": 1},
             "array": {"maxItems": config.max_stop_strings, "items": {"minLength": 1}},
         },
         "stop_token_ids": {"array": {"items": vocab_id}},
+        "allowed_token_ids": {"array": {"minItems": 1, "items": vocab_id}},
+        "logit_bias": {
+            "object": {
+                "maxProperties": MAX_LOGIT_BIAS,
+                "propertyNames": {"pattern": f"^0*(?:{below(config.model.vocab_size)})$"},
+                "additionalProperties": {"minimum": -100, "maximum": 100},
+            }
+        },
+        "bad_words": {"array": {"items": {"pattern": f"[^{_SPACE}]"}}},
+        "cache_salt": {"string": {"minLength": 1, "maxLength": MAX_CACHE_SALT_CHARS}},
         "priority": {
             "integer": {"minimum": MIN_PRIORITY, "maximum": MAX_PRIORITY},
             "string": {"enum": sorted(PRIORITY_NAMES)},
@@ -123,7 +198,6 @@ def _ranges(config: EngineConfig) -> dict[str, dict[str, Any]]:
         "user": {
             "string": {"maxLength": MAX_TENANT_CHARS, "pattern": "^[^\\x00-\\x1f\\x7f-\\x9f]*$"}
         },
-        "prompt": {"string": {"minLength": 1}, "array": {"minItems": 1}},
         "messages": {"array": {"minItems": 1}},
     }
 
@@ -134,10 +208,60 @@ def _constrain(schema: dict[str, Any], by_type: dict[str, dict[str, Any]]) -> No
         if extra is None:
             continue
         for key, value in extra.items():
-            if key == "items" and "items" in option:
-                option["items"].update(value)
+            if key in ("items", "additionalProperties") and key in option:
+                option[key].update(value)
             else:
                 option[key] = value
+
+
+def _given(field: str, schema: dict[str, Any]) -> dict[str, Any]:
+    """Matches a body that has field, with a value schema matches."""
+    return {"required": [field], "properties": {field: schema}}
+
+
+# fields of a chat request that need another: a JSON Schema `if` / `then` each
+_CHAT_NEEDS = [
+    # top_logprobs needs logprobs set to true (frontend.chat)
+    (_given("top_logprobs", {"type": "integer"}), _given("logprobs", {"const": True})),
+    # a tool_choice other than none needs tools (frontend.tools)
+    (
+        _given("tool_choice", {"not": {"enum": ["none", None]}}),
+        _given("tools", {"type": "array", "minItems": 1}),
+    ),
+    # continue_final_message cannot go with add_generation_prompt, true by default
+    (
+        _given("continue_final_message", {"const": True}),
+        _given("add_generation_prompt", {"const": False}),
+    ),
+]
+
+
+def _request_rules(components: dict[str, Any], config: EngineConfig) -> None:
+    ranges = _ranges(config)
+    for name in ("CompletionRequest", "ChatCompletionRequest"):
+        for field, schema in components[name]["properties"].items():
+            if field in ranges:
+                _constrain(schema, ranges[field])
+    components["CompletionRequest"]["properties"]["prompt"] = _prompt(config)
+    chat = components["ChatCompletionRequest"]
+    chat["allOf"] = [{"if": when, "then": then} for when, then in _CHAT_NEEDS]
+    tokenize = components["TokenizeRequest"]
+    tokenize["properties"]["prompt"]["anyOf"][0]["minLength"] = 1
+    tokenize["properties"]["messages"]["anyOf"][0]["minItems"] = 1
+    # one of prompt or messages, not both (frontend.utility_routes)
+    tokenize["oneOf"] = [
+        _given("prompt", {"type": "string"}),
+        _given("messages", {"type": "array"}),
+    ]
+    components["DetokenizeRequest"]["properties"]["tokens"] = _token_ids(config)
+
+
+def _stream_chunks(components: dict[str, Any]) -> None:
+    """CompletionChunk: a streamed `text_completion` chunk, the shape of a whole Completion
+    (the last one may carry only usage, with no choices)."""
+    chunk = dict(components["Completion"], title="CompletionChunk")
+    chunk["description"] = "One event of a streamed completion: choices' text as it comes"
+    components["CompletionChunk"] = chunk
 
 
 def openapi_document(
@@ -162,26 +286,42 @@ def openapi_document(
         Version,
     ]
     _, components = msgspec.json.schema_components(types, ref_template=_REF)
+    _stream_chunks(components)
     if config is not None:
-        ranges = _ranges(config)
-        for name in ("CompletionRequest", "ChatCompletionRequest"):
-            for field, schema in components[name]["properties"].items():
-                if field in ranges:
-                    _constrain(schema, ranges[field])
+        _request_rules(components, config)
     health = _get("Health", "200 while the engine is alive, else 503", 503)
+    health["get"]["responses"]["503"] = {  # why: the same body, saying why it is not ok
+        "description": "dead, unresponsive or draining",
+        "content": {"application/json": {"schema": _ref("Health")}},
+    }
     metrics = _plain("Prometheus text format", "text/plain", 401)
+    model = _get("ModelCard", "one model, if it is the served one", 401, 404)
+    name = _parameter("model", "path", {"type": "string"}, "the served model's name")
+    model["get"]["parameters"] = [name]
+    timeline = _plain(
+        "the device timeline of the last `last` steps (default 256)",
+        "application/json",
+        400,
+        401,
+        403,
+        503,
+    )
+    steps = {"type": "integer", "minimum": 0, "maximum": KEEP_STEPS}
+    last = _parameter("last", "query", steps, "steps to return; absent or empty: 256")
+    last["allowEmptyValue"] = True
+    timeline["get"]["parameters"] = [last]
     doc = {
         "openapi": "3.1.0",
         "info": {"title": title, "version": version},
         "paths": {
             "/v1/completions": _generate(
-                "CompletionRequest", "Completion", "Completion", "text completion"
+                "CompletionRequest", "Completion", "CompletionChunk", "text completion"
             ),
             "/v1/chat/completions": _generate(
                 "ChatCompletionRequest", "ChatCompletion", "ChatCompletionChunk", "chat completion"
             ),
             "/v1/models": _get("ModelList", "the served model", 401),
-            "/v1/models/{model}": _get("ModelCard", "one model, if it is the served one", 401, 404),
+            "/v1/models/{model}": model,
             "/tokenize": _post(
                 "TokenizeRequest",
                 "TokenizeResponse",
@@ -195,15 +335,13 @@ def openapi_document(
             ),
             "/version": _get("Version", "the server's version", 401),
             "/v1/engine/stats": _plain(
-                "the core's queues and KV blocks", "application/json", 401, 503
-            ),
-            "/v1/engine/timeline": _plain(
-                "the device timeline of the last `last` steps (query, default 256)",
+                "the core's queues and KV blocks (the admin key)",
                 "application/json",
-                400,
                 401,
+                403,
                 503,
             ),
+            "/v1/engine/timeline": timeline,
             "/metrics": metrics,
             "/health": health,
             "/openapi.json": {
@@ -212,7 +350,7 @@ def openapi_document(
         },
         "components": {"schemas": components},
     }
-    if config is None or config.api_key or config.api_keys:
+    if config is None or config.api_key or config.api_keys or config.admin_api_key:
         doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
         doc["security"] = [{"bearer": []}]
         health["get"]["security"] = []  # why: probes carry no key

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import msgspec
 
@@ -131,6 +132,7 @@ def _token_id(value: int, param: str, config: EngineConfig) -> int:
 
 
 MAX_LOGIT_BIAS = 300  # entries; OpenAI's own limit
+_TOKEN_KEY = re.compile("-?[0-9]+")
 
 
 def _logit_bias(
@@ -145,7 +147,7 @@ def _logit_bias(
         )
     out = []
     for key, value in bias.items():
-        if not key.lstrip("-").isdigit():
+        if not _TOKEN_KEY.fullmatch(key):  # why not isdigit(): it takes "²", which int() refuses
             raise bad_request(f"logit_bias keys are token ids, got {key!r}", param="logit_bias")
         token_id = _token_id(int(key), "logit_bias", config)
         out.append((token_id, _in_range(float(value), -100.0, 100.0, "logit_bias")))

@@ -60,7 +60,8 @@ class CompletionRequest(SamplingFields, kw_only=True):
     echo: bool = False
 
 
-class TextPart(msgspec.Struct, tag="text", tag_field="type"):
+class TextPart(msgspec.Struct, kw_only=True):
+    type: Literal["text"] = "text"  # may be left out: text is the only kind taken
     text: str
 
 

@@ -7,7 +7,8 @@ from importlib import metadata
 import msgspec
 
 from gapless.frontend.asgi import HttpRequest, Responder
-from gapless.frontend.errors import bad_request, from_decode_error
+from gapless.frontend.errors import bad_request, decode_body
+from gapless.frontend.openai_fields import check_fields, struct_fields
 from gapless.frontend.params import check_model
 from gapless.frontend.protocol import ChatMessage
 from gapless.frontend.state import FrontendState
@@ -47,11 +48,12 @@ _detokenize = msgspec.json.Decoder(DetokenizeRequest)
 
 
 async def _body(req: HttpRequest, state: FrontendState, decoder: msgspec.json.Decoder):
+    """The request decoded (a 400 naming what is wrong); fields outside it are ignored with a
+    debug log, as on every route."""
     raw = await req.body(state.config.max_body_bytes)
-    try:
-        return decoder.decode(raw)
-    except msgspec.DecodeError as exc:
-        raise from_decode_error(exc) from None
+    body = decode_body(decoder, raw)
+    check_fields(raw, req.path, struct_fields(decoder.type), {})
+    return body
 
 
 async def handle_tokenize(state: FrontendState, req: HttpRequest, out: Responder) -> None:
