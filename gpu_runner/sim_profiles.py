@@ -15,6 +15,7 @@ sources of each profile's numbers and the calibration of the efficiency factors.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -72,6 +73,10 @@ class SimProfile:
     layer_overhead_us: float = 5.0  # per layer, decode-only steps (CUDA graph replay)
     eager_layer_overhead_us: float = 15.0  # per layer, steps with prompt tokens (no graph)
     d2h_us: float = 15.0  # sampled ids device -> host after the step ends
+    # measured: gapless's own runner on this card, step time over this model's at the same
+    # step (the GPU check's report, bench/gpu_check, emits them); 1.0 is the model above
+    decode_scale: float = 1.0  # decode-only steps
+    prefill_scale: float = 1.0  # steps that carry prompt tokens
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -174,6 +179,11 @@ PROFILES: dict[str, SimProfile] = {
 }
 
 
+def profile_fields(profile: SimProfile) -> dict:
+    """The profile as JSON-ready fields; SimProfile(**fields) gives it back."""
+    return dataclasses.asdict(profile)
+
+
 def list_profiles() -> list[str]:
     return sorted(PROFILES)
 
@@ -192,10 +202,11 @@ class StepCost:
     memory_s: float
     overhead_s: float  # launch and per-layer costs
     comm_s: float  # tensor-parallel all-reduces
+    scale: float = 1.0  # the profile's measured decode_scale or prefill_scale
 
     @property
     def total_s(self) -> float:
-        return max(self.compute_s, self.memory_s) + self.overhead_s + self.comm_s
+        return (max(self.compute_s, self.memory_s) + self.overhead_s + self.comm_s) * self.scale
 
 
 def step_cost(
@@ -234,7 +245,8 @@ def step_cost(
         message = num_tokens * p.hidden_size * 2
         ring = 2 * (p.tp - 1) / p.tp * message / p.allreduce_bandwidth
         comm_s = 2 * p.num_layers * (p.allreduce_latency_us * 1e-6 + ring)
-    return StepCost(compute_s, memory_s, overhead_s, comm_s)
+    scale = p.prefill_scale if num_prefill_tokens else p.decode_scale
+    return StepCost(compute_s, memory_s, overhead_s, comm_s, scale)
 
 
 def step_time(

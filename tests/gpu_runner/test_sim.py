@@ -15,9 +15,11 @@ from gapless.gpu_runner.sim import SimBackend
 from gapless.gpu_runner.sim_profiles import (
     GIB,
     PROFILES,
+    SimProfile,
     get_profile,
     list_profiles,
     num_kv_blocks,
+    profile_fields,
     step_cost,
     step_time,
 )
@@ -47,6 +49,19 @@ def test_step_time_is_monotone_in_tokens_and_context():
         assert by_ctx == sorted(by_ctx) and by_ctx[0] < by_ctx[-1]
         by_prompt = [step_time(profile, t, 1, t, t) for t in (16, 128, 1024, 4096)]
         assert by_prompt == sorted(by_prompt) and by_prompt[0] < by_prompt[-1]
+
+
+def test_measured_scales_model_the_real_runner_and_round_trip():
+    published = get_profile("h100-llama3-8b")
+    measured = SimProfile(**{**profile_fields(published), "decode_scale": 2.0,
+                             "prefill_scale": 1.5})  # fmt: skip
+    assert SimProfile(**profile_fields(measured)) == measured
+    decode = (64, 64, 64 * 1024, 0)
+    mixed = (1024 + 63, 64, 64 * 1024, 1024)
+    assert step_time(measured, *decode) == pytest.approx(2.0 * step_time(published, *decode))
+    assert step_time(measured, *mixed) == pytest.approx(1.5 * step_time(published, *mixed))
+    assert step_cost(measured, *decode).memory_s == step_cost(published, *decode).memory_s
+    assert all(p.decode_scale == p.prefill_scale == 1.0 for p in PROFILES.values())
 
 
 def test_h100_decode_step_at_moderate_batch():
