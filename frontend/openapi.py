@@ -264,6 +264,34 @@ def _stream_chunks(components: dict[str, Any]) -> None:
     components["CompletionChunk"] = chunk
 
 
+OPERATION_IDS = {
+    "/v1/completions": "createCompletion",
+    "/v1/chat/completions": "createChatCompletion",
+    "/v1/models": "listModels",
+    "/v1/models/{model}": "retrieveModel",
+    "/tokenize": "tokenize",
+    "/detokenize": "detokenize",
+    "/version": "version",
+    "/v1/engine/stats": "engineStats",
+    "/v1/engine/timeline": "engineTimeline",
+    "/metrics": "metrics",
+    "/health": "health",
+    "/openapi.json": "openapi",
+}
+
+
+def _operations(paths: dict[str, Any]) -> None:
+    """Operation ids, and the links from one answer to the next request: the listed model's
+    card, and the ids /tokenize gave back to /detokenize."""
+    for path, operation_id in OPERATION_IDS.items():
+        (operation,) = paths[path].values()
+        operation["operationId"] = operation_id
+    model = {"operationId": "retrieveModel", "parameters": {"model": "$response.body#/data/0/id"}}
+    paths["/v1/models"]["get"]["responses"]["200"]["links"] = {"model": model}
+    text = {"operationId": "detokenize", "requestBody": {"tokens": "$response.body#/tokens"}}
+    paths["/tokenize"]["post"]["responses"]["200"]["links"] = {"text": text}
+
+
 def openapi_document(
     title: str, version: str, config: EngineConfig | None = None
 ) -> dict[str, Any]:
@@ -350,6 +378,7 @@ def openapi_document(
         },
         "components": {"schemas": components},
     }
+    _operations(doc["paths"])
     if config is None or config.api_key or config.api_keys or config.admin_api_key:
         doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
         doc["security"] = [{"bearer": []}]

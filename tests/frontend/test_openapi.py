@@ -186,3 +186,18 @@ def test_below_matches_exactly_the_numbers_under_n(n) -> None:
 )
 def test_only_named_rules_pass_as_beyond_the_schema(status, error, beyond) -> None:
     assert beyond_the_schema(status, json.dumps({"error": error}).encode()) is beyond
+
+
+async def test_links_name_operations_that_exist(make_config, engine) -> None:
+    doc = await _doc(make_config(), engine)
+    operations = {
+        op["operationId"]: op for methods in doc["paths"].values() for op in methods.values()
+    }
+    assert len(operations) == sum(len(methods) for methods in doc["paths"].values())
+    links = [
+        link
+        for op in operations.values()
+        for response in op["responses"].values()
+        for link in response.get("links", {}).values()
+    ]
+    assert {link["operationId"] for link in links} == {"retrieveModel", "detokenize"}
