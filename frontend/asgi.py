@@ -8,7 +8,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 
@@ -33,6 +33,9 @@ _KEEPALIVE = b": keep-alive\n\n"
 WATCH_TICK_S = 0.5  # how often a stream's writes are looked at
 # the scope extension with a server's `write_now(chunk) -> bool` (frontend/http.py)
 CHUNK_WRITER = "gapless.chunk_writer"
+# the scope extension with a server's StreamConnection (frontend/http.py): what the client
+# has left unread, a bound on the kernel's send buffer, an end written past flow control
+STREAM_CONNECTION = "gapless.stream_connection"
 
 
 _REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")  # printable ASCII, no spaces
@@ -104,12 +107,40 @@ class SlowReader(Exception):
         super().__init__(message)
         self.reason = reason
 
+    def error(self) -> ApiError:
+        """What the stream's last event says."""
+        return ApiError(408, str(self), code="slow_reader")
+
+
+class StreamConnection(Protocol):
+    """What a server tells of one request's connection (STREAM_CONNECTION)."""
+
+    def unsent_bytes(self) -> tuple[int, int | None]:
+        """Bytes written for the client and not yet taken: (those the transport holds, those
+        in the kernel's send queue that the client has not acknowledged, or None where that
+        cannot be read). The transport's share waits on the client only while the kernel's
+        is full, and on this process's event loop otherwise."""
+        ...
+
+    def limit_send_buffer(self) -> None:
+        """Bounds the kernel's send buffer, so that what a client leaves unread shows soon
+        as bytes the transport holds (its flow control), not megabytes hidden in the kernel."""
+        ...
+
+    def end_now(self, body: bytes) -> bool:
+        """Writes body as the chunked response's last chunk at once, whatever the client left
+        unread, ends the response and closes the connection once it is out (or after a
+        grace, unread). False (nothing written) if the response is not a started chunked body
+        or the connection is gone."""
+        ...
+
 
 class Responder:
     """Sends one response: a JSON body, or an SSE stream started on its first event.
 
     `write_now`, where the server gives one (frontend/http.py, CHUNK_WRITER), writes a body
-    chunk at once or returns False; `event_now` uses it for the usual event of a stream."""
+    chunk at once or returns False; `event_now` uses it for the usual event of a stream.
+    `connection` (STREAM_CONNECTION), where set, lets `end_now` cut a stream."""
 
     def __init__(
         self,
@@ -124,9 +155,10 @@ class Responder:
         self.started = False
         self.streaming = False
         self.finished = False
-        # time.monotonic() when the SSE write in progress began (None: none is); a write
-        # waits while the client does not read (uvicorn's flow control)
-        self.writing_since: float | None = None
+        self.connection: StreamConnection | None = None
+        # SSE bytes (without the chunk framing) and events written so far, for SlowReaderWatch
+        self.sent_bytes = 0
+        self.sent_events = 0
 
     async def json(
         self, status: int, body: Any, headers: Sequence[tuple[bytes, bytes]] = ()
@@ -157,18 +189,23 @@ class Responder:
         write = self._write_now
         if write is None or not self.streaming or self.finished:
             return False
-        return write(b"data: " + payload + b"\n\n")
+        data = b"data: " + payload + b"\n\n"
+        if not write(data):
+            return False
+        self.sent_bytes += len(data)
+        self.sent_events += 1
+        return True
 
     async def comment(self) -> None:
         """An SSE comment, which clients ignore: it keeps proxies from cutting a quiet stream."""
         await self._stream_write(_KEEPALIVE)
 
     async def _stream_write(self, data: bytes) -> None:
-        self.writing_since = time.monotonic()
         if not self.started:
             await self._start_stream()
+        self.sent_bytes += len(data)
+        self.sent_events += 1
         await self._send({"type": "http.response.body", "body": data, "more_body": True})
-        self.writing_since = None
 
     async def done(self) -> None:
         """`data: [DONE]` and the end of the stream."""
@@ -193,6 +230,66 @@ class Responder:
             await self.event(encoder.encode(exc.body()))
             await self.done()
 
+    def end_now(self, exc: ApiError, events: Sequence[bytes] = ()) -> bool:
+        """Cuts a started stream: `events` (encoded JSON each), the error event and [DONE],
+        written at once past flow control (a client that left its stream unread gets them
+        after what it left), then the connection closes. False (nothing written) where that
+        cannot be done: no connection given, the stream not started or already ended."""
+        if self.connection is None or not self.streaming or self.finished:
+            return False
+        data = [b"data: " + payload + b"\n\n" for payload in (*events, encoder.encode(exc.body()))]
+        if not self.connection.end_now(b"".join(data) + _DONE):
+            return False
+        self.finished = True
+        return True
+
+
+class SlowReaderWatch:
+    """Judges a stream's client by what it has not taken off the socket, looked at every
+    WATCH_TICK_S. Bytes the kernel holds unacknowledged wait on the client; bytes the transport
+    holds, and deltas in the stream's inbox, may wait on this process's event loop (a busy
+    loop writes late), so they are never held against a client. A stream is cut when the
+    kernel holds more than max_events of its events unread (at the stream's mean event size;
+    "buffer"), or when the kernel held bytes for it and the client took none of them for
+    write_timeout_s ("write_timeout"). Where the kernel's queue cannot be read, the
+    transport's bytes stand in for it."""
+
+    def __init__(
+        self,
+        out: Responder,
+        connection: StreamConnection,
+        write_timeout_s: float,
+        max_events: int,
+    ) -> None:
+        self.out = out
+        self.connection = connection
+        self.write_timeout_s = write_timeout_s
+        self.max_events = max_events
+        self._taken = 0  # most bytes the client was seen to have taken
+        self._waiting_since: float | None = None  # monotonic; bytes wait, none taken since
+
+    def check(self, now: float) -> SlowReader | None:
+        out = self.out
+        held, queued = self.connection.unsent_bytes()
+        unread = held if queued is None else queued  # what waits on the client
+        # the response head and chunk framing are not in sent_bytes: they only make the
+        # client's share look smaller, never larger; bytes our loop moves from the transport
+        # to the kernel leave it as it was
+        taken = out.sent_bytes - held - (queued or 0)
+        if unread <= 0:
+            self._waiting_since = None
+        elif taken > self._taken or self._waiting_since is None:
+            self._waiting_since = now
+        elif now - self._waiting_since > self.write_timeout_s:
+            return SlowReader(
+                "write_timeout",
+                f"the client read nothing of its stream for {self.write_timeout_s:g} s",
+            )
+        self._taken = max(self._taken, taken)
+        if out.sent_bytes and unread * out.sent_events > self.max_events * out.sent_bytes:
+            return SlowReader("buffer", f"the client left over {self.max_events} events unread")
+        return None
+
 
 async def until_disconnect(receive: Receive) -> None:
     while (await receive())["type"] != "http.disconnect":
@@ -200,18 +297,14 @@ async def until_disconnect(receive: Receive) -> None:
 
 
 async def unless_disconnected(
-    receive: Receive,
-    work: Coroutine[Any, Any, T],
-    out: Responder | None = None,
-    write_timeout_s: float | None = None,
+    receive: Receive, work: Coroutine[Any, Any, T], watch: SlowReaderWatch | None = None
 ) -> T:
     """Runs `work`, cancelling it when the client disconnects first (raises ClientGone), or,
-    given `out` and `write_timeout_s`, when one of out's SSE writes has waited that long for
-    the client to read (raises SlowReader)."""
+    given `watch`, when that finds the client is not reading (raises its SlowReader)."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(until_disconnect(receive))
-    stuck = False
-    tick = None if write_timeout_s is None else min(WATCH_TICK_S, write_timeout_s)
+    slow = None
+    tick = None if watch is None else min(WATCH_TICK_S, watch.write_timeout_s)
     try:
         while True:
             done, _ = await asyncio.wait(
@@ -219,19 +312,17 @@ async def unless_disconnected(
             )
             if done:
                 break
-            since = out.writing_since if out is not None else None
-            if since is not None and time.monotonic() - since > write_timeout_s:  # type: ignore[operator]
-                stuck = True
+            assert watch is not None
+            slow = watch.check(time.monotonic())
+            if slow is not None:
                 break
     finally:
         if not task.done():
             task.cancel()
         watcher.cancel()
         await asyncio.gather(task, watcher, return_exceptions=True)
-    if stuck:
-        raise SlowReader(
-            "write_timeout", f"the client read nothing of its stream for {write_timeout_s:g} s"
-        )
+    if slow is not None:
+        raise slow
     if task.cancelled():
         raise ClientGone
     return task.result()

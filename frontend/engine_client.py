@@ -34,7 +34,6 @@ from gapless.core.common.messages import (
     Timeline,
 )
 from gapless.core.common.process import CORE_IN, frontend_socket
-from gapless.frontend import metrics
 from gapless.frontend.inbox import IDLE as _IDLE
 from gapless.frontend.inbox import Inbox
 from gapless.frontend.queue_view import QueueView, Ticket
@@ -98,10 +97,6 @@ class StreamCut(Exception):
     time); the message says why. Its choices still running are aborted in the engine."""
 
 
-class Overflow(StreamCut):
-    """The request's deltas piled up unsent past the cap: its client is not reading."""
-
-
 IDLE = (-1, None)  # what generate_n yields after keepalive_s without a delta
 # s: the longest the listener dispatches frames that waited before the streams write; bounds
 # how long a stream goes without an event while its frontend is behind
@@ -118,7 +113,9 @@ class EngineClient:
         self, frontend_id: int, send: Callable[[CoreInput], None], max_pending: int = 1024
     ) -> None:
         self.frontend_id = frontend_id
-        self.max_pending = max_pending  # deltas one request may have waiting to be written
+        # deltas one request may have waiting for its handler before they are joined into one
+        # per choice (its handler would join them all the same when it runs)
+        self.max_pending = max_pending
         self.queue = QueueView(frontend_id)  # what waits for a seat, for admission control
         self.healthy = True
         self.dead_reason = ""
@@ -161,14 +158,15 @@ class EngineClient:
                     inbox = queues.get(rid)
                     if inbox is None:  # the request was aborted here already
                         continue
-                    waiting = len(inbox)
-                    if waiting < self.max_pending:
-                        if inbox.direct is None:
-                            inbox.put_delta((delta, received), received)
-                        elif inbox.hold((delta, received), received):
-                            held.append(inbox)
-                    elif waiting == self.max_pending:  # once; later deltas are dropped
-                        self._overflow(rid, inbox)
+                    # why not a cut: its handler is behind, which a busy event loop does to a
+                    # client that reads as well as to one that does not (SlowReaderWatch
+                    # tells them apart)
+                    if len(inbox) >= self.max_pending:
+                        inbox.compact(_coalesced)
+                    if inbox.direct is None:
+                        inbox.put_delta((delta, received), received)
+                    elif inbox.hold((delta, received), received):
+                        held.append(inbox)
                 if flush:
                     self.flush_held()
             case QueueState():
@@ -188,22 +186,13 @@ class EngineClient:
         for inbox in held:
             inbox.flush()
 
-    def _overflow(self, rid: str, inbox: Inbox) -> None:
-        """A request's client stopped reading: free its KV now, end its stream when its
-        handler looks next."""
-        log.warning("request %s: %d deltas unsent, its client is not reading; aborting it",
-                    rid, self.max_pending)  # fmt: skip
-        metrics.observer.slow_client("buffer")
-        inbox.put(Overflow(f"the client left {self.max_pending} events unread"))
-        self._queues.pop(rid, None)  # the steps still in flight for it are dropped
-        self._send(Abort([rid]))
-
-    def cut_all(self, reason: str) -> int:
-        """End every request in flight here with StreamCut(reason); returns how many."""
+    def cut_all(self, reason: str) -> list[str]:
+        """End every request in flight here with StreamCut(reason); returns their names (each
+        one's label, its X-Request-Id, or else its request id)."""
         inboxes = {id(q): q for q in self._queues.values()}.values()
         for inbox in inboxes:
             inbox.put(StreamCut(reason))
-        return len(inboxes)
+        return [inbox.name for inbox in inboxes]
 
     def mark_dead(self, reason: str) -> None:
         """The engine is gone: every request in flight and every later one fails."""
@@ -261,8 +250,8 @@ class EngineClient:
         yielded as usual (Inbox.flush).
 
         Raises EngineDeadError if the engine is or becomes dead, StreamCut if this frontend
-        ends the request (Overflow past max_pending unsent deltas). Leaving early (break,
-        aclose, cancellation) aborts the choices still running.
+        ends the request (cut_all). Leaving early (break, aclose, cancellation) aborts the
+        choices still running.
         """
         if not self.healthy:
             raise EngineDeadError(self.dead_reason)
@@ -275,7 +264,7 @@ class EngineClient:
             ticket.set_prompt(len(prompt_token_ids))
         assert ticket.num_queued == len(params), "a ticket for another number of choices"
         unstarted = self.queue.unstarted
-        inbox = Inbox(asyncio.get_running_loop(), keepalive_s)
+        inbox = Inbox(asyncio.get_running_loop(), keepalive_s, label or request_id)
         one_choice = len(ids) == 1
         if direct is not None:
 

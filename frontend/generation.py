@@ -18,14 +18,16 @@ from gapless.core.common.messages import SamplingParams, TextDelta, TokenLogprob
 from gapless.frontend import metrics
 from gapless.frontend.admission import Admission
 from gapless.frontend.asgi import (
+    STREAM_CONNECTION,
     ClientGone,
     HttpRequest,
     RequestStats,
     Responder,
     SlowReader,
+    SlowReaderWatch,
     unless_disconnected,
 )
-from gapless.frontend.engine_client import EngineDeadError, Overflow, StreamCut
+from gapless.frontend.engine_client import EngineDeadError, StreamCut
 from gapless.frontend.errors import ApiError, engine_unavailable
 from gapless.frontend.queue_view import Ticket
 from gapless.frontend.responses import CompletionTokensDetails, PromptTokensDetails, Usage
@@ -297,24 +299,44 @@ async def stream(
                 if chunk is not None:
                     await out.event(chunk)
                 observer.streamed(time.perf_counter() - received)
-    except Overflow as cut:
-        raise SlowReader("buffer", str(cut)) from None
     except StreamCut as cut:
         # every choice still running gets its last chunk (finish_reason "abort"), then the
-        # stream ends with the error event and [DONE]
+        # stream ends with the error event and [DONE]: at once, past flow control, once the
+        # stream has begun (the server is going away; its client may not be reading)
+        job.stats.finish_reason = "abort"
+        chunks = []
         for index, done in enumerate(ended):
             if done:
                 continue
             rid = f"{job.request_id}-{index}"
             last = TextDelta(rid, "", [], len(job.prompt_ids[index]), outputs[index], "abort")
             if not opened[index] and (opening := fmt.opening(index, last)) is not None:
-                await out.event(opening)
+                chunks.append(opening)
             if (chunk := fmt.delta(index, last)) is not None:
-                await out.event(chunk)
-        raise cut_error(cut) from None
+                chunks.append(chunk)
+        error = cut_error(cut)
+        if out.end_now(error, chunks):
+            return
+        for chunk in chunks:
+            await out.event(chunk)
+        raise error from None
     if include_usage:
         await out.event(fmt.usage(usage_of(job, outputs, cached)))
     await out.done()
+
+
+def _watch(state: FrontendState, req: HttpRequest, out: Responder) -> SlowReaderWatch | None:
+    """A stream's slow-reader watch, its kernel send buffer bounded, where the server tells
+    of its connection."""
+    connection = (req.scope.get("extensions") or {}).get(STREAM_CONNECTION)
+    if connection is None:
+        return None
+    connection.limit_send_buffer()
+    out.connection = connection
+    config = state.config
+    return SlowReaderWatch(
+        out, connection, config.stream_write_timeout_s, config.stream_buffer_events
+    )
 
 
 async def respond(
@@ -328,23 +350,23 @@ async def respond(
     fmt: ChunkFormat,
     build: Callable[[list[ChoiceResult], Usage], object],
 ) -> None:
-    """Streams or answers whole; a client that disconnects first aborts the engine requests."""
+    """Streams or answers whole; a client that disconnects first aborts the engine requests,
+    and so does one that stops reading its stream (SlowReaderWatch), whose stream then ends
+    with an error event."""
     job.label, job.stats = req.request_id, req.stats
     try:
         if streaming:
             await unless_disconnected(
-                req.receive,
-                stream(state, job, out, fmt, include_usage),
-                out,
-                state.config.stream_write_timeout_s,
+                req.receive, stream(state, job, out, fmt, include_usage), _watch(state, req, out)
             )
             return
         choices = await unless_disconnected(req.receive, collect(state, job))
     except SlowReader as slow:
-        # the engine requests were aborted as the stream's work ended; nothing more can be sent
+        # the engine requests were aborted as the stream's work ended
         log.warning("request %s aborted, its client is not reading: %s", job.request_id, slow)
-        if slow.reason == "write_timeout":  # an overflow was counted where it was seen
-            metrics.observer.slow_client(slow.reason)
+        metrics.observer.slow_client(slow.reason)
+        job.stats.finish_reason = "abort"
+        out.end_now(slow.error())
         raise ClientGone from None
     except StreamCut as cut:
         raise cut_error(cut) from None

@@ -10,21 +10,35 @@ chunk of a started chunked body at once and returns True, or returns False and w
 when that cannot be done without waiting (the client is gone, the transport asked to pause,
 the response is not a chunked body in progress): the frontend's engine listener writes a
 stream's usual SSE event through it while the stream's handler waits for its next delta
-(frontend/generation.py, `stream`), instead of waking the handler for it.
+(frontend/generation.py, `stream`), instead of waking the handler for it; and, under
+`extensions[STREAM_CONNECTION]`, a `Connection` that tells how much of what was written the
+client has not taken yet, bounds the kernel's send buffer, and ends a cut stream at once.
 """
 
 from __future__ import annotations
 
+import asyncio
+import fcntl
 import logging
+import socket
+import struct
+import termios
 from collections.abc import Callable
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from gapless.frontend import metrics
-from gapless.frontend.asgi import CHUNK_WRITER, encoder
+from gapless.frontend.asgi import CHUNK_WRITER, STREAM_CONNECTION, encoder
 from gapless.frontend.errors import ApiError
 
 log = logging.getLogger("gapless.frontend")
+
+# bytes asked of the kernel for a stream's send buffer (Linux grants twice as much for its own
+# bookkeeping); a stream carries a few hundred bytes per step, and the default grows to
+# megabytes, which a client that stops reading fills unseen for minutes
+STREAM_SEND_BUFFER = 64 * 2**10
+CLOSE_GRACE_S = 5.0  # s: how long a cut stream's last bytes may wait for its client
+_OUTQ = getattr(termios, "TIOCOUTQ", None)  # == SIOCOUTQ on Linux: bytes not yet acknowledged
 
 
 def chunk_writer(cycle: RequestResponseCycle) -> Callable[[bytes], bool]:
@@ -48,6 +62,57 @@ def chunk_writer(cycle: RequestResponseCycle) -> Callable[[bytes], bool]:
     return write
 
 
+class Connection:
+    """One request's connection, as asgi.StreamConnection describes it."""
+
+    def __init__(self, cycle: RequestResponseCycle) -> None:
+        self._cycle = cycle
+        self._socket = cycle.transport.get_extra_info("socket")
+
+    def _open(self) -> bool:
+        cycle = self._cycle
+        return not (cycle.disconnected or cycle.transport.is_closing())
+
+    def unsent_bytes(self) -> tuple[int, int | None]:
+        if not self._open():
+            return 0, 0
+        held = self._cycle.transport.get_write_buffer_size()
+        if self._socket is None or _OUTQ is None:
+            return held, None
+        try:
+            queued = fcntl.ioctl(self._socket.fileno(), _OUTQ, b"\0\0\0\0")
+        except OSError:  # a socket the ioctl does not know (another platform)
+            return held, None
+        return held, struct.unpack("i", queued)[0]
+
+    def limit_send_buffer(self) -> None:
+        if self._socket is not None and self._open():
+            try:
+                self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, STREAM_SEND_BUFFER)
+            except OSError:
+                log.debug("could not bound a stream's send buffer", exc_info=True)
+
+    def end_now(self, body: bytes) -> bool:
+        cycle = self._cycle
+        if (
+            not self._open()
+            or not cycle.response_started
+            or cycle.response_complete
+            or not cycle.chunked_encoding
+            or not body
+        ):
+            return False
+        transport = cycle.transport
+        cycle.keep_alive = False
+        transport.write(b"%x\r\n%b\r\n0\r\n\r\n" % (len(body), body))
+        cycle.response_complete = True
+        cycle.message_event.set()
+        transport.close()  # once what it holds is written
+        asyncio.get_running_loop().call_later(CLOSE_GRACE_S, transport.abort)
+        cycle.on_response()
+        return True
+
+
 def head_limited(max_head_bytes: int) -> type[HttpToolsProtocol]:
     """The protocol class for uvicorn.Config(http=...), answering 431 past max_head_bytes."""
 
@@ -69,6 +134,7 @@ def head_limited(max_head_bytes: int) -> type[HttpToolsProtocol]:
             if cycle is not None and cycle.scope is self.scope:  # not an upgrade
                 extensions = self.scope.setdefault("extensions", {})
                 extensions[CHUNK_WRITER] = chunk_writer(cycle)
+                extensions[STREAM_CONNECTION] = Connection(cycle)
 
         def on_message_complete(self) -> None:
             self._reading_head = True

@@ -41,9 +41,13 @@ class Inbox:
         "_last_delta",
         "_held",
         "direct",
+        "name",
     )
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, idle_s: float = 0.0) -> None:
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, idle_s: float = 0.0, name: str = ""
+    ) -> None:
+        self.name = name  # of the request, for logs
         self._deltas: list[Any] = []
         self._marks: list[object] = []
         self._waiter: asyncio.Future[None] | None = None
@@ -92,6 +96,10 @@ class Inbox:
                 log.exception("a stream's direct write failed; it goes through its handler now")
                 self.direct = None
         self._wake()
+
+    def compact(self, fold: Callable[[list[Any]], list[Any]]) -> None:
+        """What waits becomes fold(what waits), in the same place in the queue."""
+        self._deltas = fold(self._deltas)
 
     def put(self, marker: object) -> None:
         self._marks.append(marker)

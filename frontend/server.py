@@ -35,6 +35,7 @@ log = logging.getLogger("gapless.frontend")
 # their last events and close
 CUT_GRACE_S = 2.0
 PARENT_POLL_S = 0.1  # how often the frontend looks for its supervisor
+LOGGED_NAMES = 50  # request ids a log line lists before it says how many more
 
 
 class _Server(uvicorn.Server):
@@ -73,9 +74,13 @@ class _Server(uvicorn.Server):
     def cut(self) -> None:
         """The drain ran out of time: end every request still in flight here."""
         reason = f"the server is shutting down: the {self.drain_timeout_s:g} s drain ran out"
-        n = self.engine.cut_all(reason)
-        if n:
-            log.warning("drain timeout: ended %d request(s) still in flight", n)
+        names = self.engine.cut_all(reason)
+        if names:
+            log.warning(
+                "drain timeout: ended %d request(s) still in flight: %s",
+                len(names),
+                listed(names),
+            )
 
     def supervisor_gone(self) -> None:
         if self.engine.healthy:
@@ -104,6 +109,12 @@ class _Server(uvicorn.Server):
             yield
         finally:
             signal.signal(signal.SIGTERM, previous)
+
+
+def listed(names: list[str], most: int = LOGGED_NAMES) -> str:
+    """The first `most` names, then how many more."""
+    shown = ", ".join(names[:most])
+    return shown if len(names) <= most else f"{shown} and {len(names) - most} more"
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

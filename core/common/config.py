@@ -316,8 +316,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     stream_buffer_events: Annotated[
         int,
         msgspec.Meta(
-            description="events a stream may hold unsent before its request is aborted as a "
-            "slow reader (its KV freed)",
+            description="events a stream's client may leave unread (sent, not taken off the "
+            "socket) before its request is aborted as a slow reader (its KV freed)",
             ge=1,
             extra={"metavar": "N"},
         ),
@@ -325,8 +325,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     stream_write_timeout_s: Annotated[
         float,
         msgspec.Meta(
-            description="seconds one write to a stream may wait for the client to read before "
-            "the request is aborted as a slow reader",
+            description="seconds a stream's client may take none of the bytes sent to it "
+            "before the request is aborted as a slow reader",
             gt=0,
             extra={"flag": "stream-write-timeout", "metavar": "S"},
         ),

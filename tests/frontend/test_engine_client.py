@@ -26,7 +26,7 @@ from gapless.core.common.process import CORE_IN, frontend_socket
 from gapless.frontend.engine_client import (
     EngineClient,
     EngineDeadError,
-    Overflow,
+    StreamCut,
     ZmqEngineClient,
 )
 from gapless.frontend.inbox import Inbox
@@ -292,18 +292,45 @@ async def test_a_burst_ending_in_a_malformed_frame_leaves_nothing_held(
 
 
 @pytest.mark.anyio
-async def test_an_overflow_aborts_once_however_many_deltas_follow() -> None:
+@pytest.mark.parametrize("direct", [False, True])
+async def test_deltas_its_handler_has_not_taken_are_joined_not_cut(direct: bool) -> None:
+    """A handler behind its deltas (the event loop is busy) is not judged a slow reader:
+    past max_pending, what waits is joined per choice, and every token still arrives."""
     sent: list[CoreInput] = []
     client = EngineClient(3, sent.append, max_pending=4)
-    stream = client.generate("3-0", [1], PARAMS)
+    written: list[str] = []
+
+    def decline(index: int, delta: TextDelta, received: float) -> bool:
+        written.append(delta.text)
+        return False  # as a connection whose client blocks the writes
+
+    stream = client.generate_n("3-0", [1], [PARAMS], direct=decline if direct else None)
     first = asyncio.ensure_future(anext(stream))
     await asyncio.sleep(0)
-    for n in range(1, 11):  # the handler does not run meanwhile: 4 wait, then steps in flight
-        client.dispatch(TextDeltas([_delta("3-0-0", n)]))
-    assert [m for m in sent if isinstance(m, Abort)] == [Abort(["3-0-0"])]
-    assert (await first).text == "t1t2t3t4"  # what waited is still written, then the cut
-    with pytest.raises(Overflow):
-        await anext(stream)
+    for n in range(1, 41):  # the handler does not run meanwhile
+        client.dispatch(TextDeltas([_delta("3-0-0", n, "length" if n == 40 else None)]))
+        assert len(client._queues["3-0-0"]) <= 5
+    assert not [m for m in sent if isinstance(m, Abort)]
+    got = [(await first)[1]] + [d async for _, d in stream]
+    assert "".join(d.text for d in got) == "".join(f"t{n}" for n in range(1, 41))
+    assert [t for d in got for t in d.token_ids] == list(range(1, 41))
+    assert got[-1].finish_reason == "length" and got[-1].num_output_tokens == 40
+    assert not client._queues
+
+
+@pytest.mark.anyio
+async def test_cut_all_names_each_request_once() -> None:
+    client, sent = _client()
+    labelled = client.generate_n("3-0", [1], [PARAMS, PARAMS], label="client-id")
+    plain = client.generate_n("3-1", [1], [PARAMS])
+    waits = [asyncio.ensure_future(anext(s)) for s in (labelled, plain)]
+    await asyncio.sleep(0)
+    assert sorted(client.cut_all("drained")) == ["3-1", "client-id"]
+    for wait in waits:
+        with pytest.raises(StreamCut):
+            await wait
+    aborted = sorted(rid for m in sent if isinstance(m, Abort) for rid in m.request_ids)
+    assert aborted == ["3-0-0", "3-0-1", "3-1-0"]
 
 
 @pytest.mark.anyio

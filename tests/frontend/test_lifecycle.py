@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from typing import Any
 
 import httpx
@@ -19,11 +20,14 @@ pytestmark = pytest.mark.anyio
 class Call:
     """One request to the app: the body, then nothing until `disconnect()`."""
 
-    def __init__(self, app: App, path: str, body: dict[str, Any]) -> None:
+    def __init__(
+        self, app: App, path: str, body: dict[str, Any], request_id: str | None = None
+    ) -> None:
         self._pending = [{"type": "http.request", "body": json.dumps(body).encode()}]
         self._gone = asyncio.Event()
         self.sent: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
-        scope = {"type": "http", "method": "POST", "path": path, "headers": []}
+        headers = [] if request_id is None else [(b"x-request-id", request_id.encode())]
+        scope = {"type": "http", "method": "POST", "path": path, "headers": headers}
         self.task = asyncio.ensure_future(app(scope, self._receive, self.sent.put))
 
     async def _receive(self) -> dict[str, Any]:
@@ -130,3 +134,47 @@ async def test_engine_failure_of_one_request(client, engine: FakeEngine, finish,
     assert events[-1] == "[DONE]" and events[-2]["error"]["type"] == "server_error"
     assert events[1]["choices"][0]["delta"]["content"] == "system"  # ChatML adds one
     assert (await client.get("/health")).status_code == 200  # one request, not the engine
+
+
+async def test_a_drain_cut_ends_streams_with_abort_and_logs_their_ids(
+    app: App, engine: FakeEngine, caplog
+) -> None:
+    """The drain's cut: each stream's choices end with finish_reason abort, then an error
+    event; the access line says abort; the log line names the requests it ended."""
+    import uvicorn
+
+    from gapless.frontend.server import _Server
+
+    caplog.set_level(logging.INFO)
+    engine.gate = asyncio.Event()  # deltas stop after the first
+    calls = [
+        Call(app, "/v1/completions", {"prompt": "a b c", "max_tokens": 3, "stream": True}, rid)
+        for rid in ("drained-1", "drained-2")
+    ]
+    for call in calls:
+        assert b"data: " in await call.next_body()
+    server = _Server(uvicorn.Config(app), app.state.admission, engine, 0.5)  # type: ignore[arg-type]
+    server.cut()
+    for call in calls:
+        await asyncio.wait_for(call.task, 1)
+    rest = b""
+    while not calls[0].sent.empty():
+        rest += (await calls[0].sent.get()).get("body", b"")
+    events = sse_events(rest.decode())
+    assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "drain_timeout"
+    assert events[-3]["choices"][0]["finish_reason"] == "abort"
+    access = [r.fields for r in caplog.records if r.name == "gapless.access"]
+    assert [(a["request_id"], a["finish_reason"]) for a in access] == [
+        ("drained-1", "abort"),
+        ("drained-2", "abort"),
+    ]
+    cut = [r.getMessage() for r in caplog.records if "drain timeout" in r.getMessage()]
+    assert cut == ["drain timeout: ended 2 request(s) still in flight: drained-1, drained-2"]
+
+
+def test_a_long_list_of_ids_is_bounded() -> None:
+    from gapless.frontend.server import listed
+
+    names = [f"r{i}" for i in range(60)]
+    assert listed(names) == ", ".join(names[:50]) + " and 10 more"
+    assert listed(names[:50]) == ", ".join(names[:50])
