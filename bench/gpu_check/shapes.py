@@ -16,13 +16,9 @@ import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from gapless.core.common import families
 from gapless.core.common.families.base import ModelArch
-
-if TYPE_CHECKING:
-    import torch
 
 INIT_STD = 0.02  # of every weight matrix; norms are 1 (Gemma's, stored as w in 1 + w, are 0)
 SEED = 1234
@@ -379,24 +375,54 @@ def parameters(arch: ModelArch) -> list[tuple[str, tuple[int, ...]]]:
     return [(n, param_shape(n, arch)) for n in parameter_names(arch, fused)]
 
 
-def _values(name: str, shape: tuple[int, ...], arch: ModelArch, vocab: int, gen) -> torch.Tensor:
-    import torch
+class Values:
+    """Random bf16 weights, written fast: one seeded draw of PERIOD normal values, streamed over
+    and over from where the last tensor stopped. The period is a prime longer than any row,
+    so no two rows of a matrix hold the same values."""
 
-    device = gen.device
-    if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
-        fill = 0.0 if arch.norm_offset else 1.0
-        return torch.full(shape, fill, dtype=torch.bfloat16, device=device)
-    if name.endswith(".bias"):
-        return torch.zeros(shape, dtype=torch.bfloat16, device=device)
-    w = torch.empty(shape, dtype=torch.bfloat16, device=device).normal_(0, INIT_STD, generator=gen)
-    if name in ("model.embed_tokens.weight", "lm_head.weight"):
-        w[vocab:] = 0  # ids the tokenizer has no text for are never the argmax
-    return w
+    PERIOD = 4_194_301  # prime
+
+    def __init__(self, arch: ModelArch, vocab: int, seed: int = SEED) -> None:
+        import torch
+
+        gen = torch.Generator().manual_seed(seed)
+        draw = torch.randn(self.PERIOD, generator=gen).mul_(INIT_STD).to(torch.bfloat16)
+        # two periods, as bytes: any window of up to one period is one contiguous slice
+        self.ring = torch.cat([draw, draw]).view(torch.uint8).numpy()
+        self.zeros = bytes(2 * self.PERIOD)
+        self.arch, self.vocab, self.offset = arch, vocab, 0
+
+    def __call__(self, name: str, shape: tuple[int, ...]):
+        """The tensor's bytes, in parts (a small tensor whole)."""
+        import torch
+
+        if name.endswith("norm.weight"):
+            fill = 0.0 if self.arch.norm_offset else 1.0  # Gemma's scale is 1 + w
+            return torch.full(shape, fill, dtype=torch.bfloat16)
+        if name.endswith(".bias"):
+            return torch.zeros(shape, dtype=torch.bfloat16)
+        return self._parts(name, shape)
+
+    def _parts(self, name: str, shape: tuple[int, ...]):
+        n = math.prod(shape)
+        kept = n
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            kept = min(self.vocab, shape[0]) * shape[1]  # rows the tokenizer has text for
+        while kept:
+            start, count = self.offset % self.PERIOD, min(kept, self.PERIOD)
+            yield self.ring[2 * start : 2 * (start + count)]
+            self.offset, kept, n = self.offset + count, kept - count, n - count
+        while n:  # ids the tokenizer has no text for: zero rows, never the argmax
+            count = min(n, self.PERIOD)
+            yield self.zeros[: 2 * count]
+            n -= count
 
 
 def write_safetensors(path: Path, tensors: list[tuple[str, tuple[int, ...]]], make) -> int:
-    """A safetensors file of bf16 tensors, each made by make(name, shape) when its turn
-    comes (one in memory at a time); its size in bytes."""
+    """A safetensors file of bf16 tensors, each made by make(name, shape) when its turn comes
+    (a tensor, or its bytes in parts): one in memory at a time; the file's size in bytes."""
+    import torch
+
     header: dict = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name, shape in tensors:
@@ -407,24 +433,25 @@ def write_safetensors(path: Path, tensors: list[tuple[str, tuple[int, ...]]], ma
             "data_offsets": [offset, offset + size],
         }
         offset += size
-    import torch
-
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(text)))
         f.write(text)
         for name, shape in tensors:
-            t = make(name, shape)
-            assert tuple(t.shape) == shape, f"{name}: {tuple(t.shape)} is not {shape}"
-            f.write(t.contiguous().cpu().view(-1).view(torch.uint8).numpy())
+            made = make(name, shape)
+            if isinstance(made, torch.Tensor):
+                assert tuple(made.shape) == shape, f"{name}: {tuple(made.shape)} is not {shape}"
+                flat = made.to(torch.bfloat16).contiguous().cpu().view(-1)
+                made = [flat.view(torch.uint8).numpy()]
+            written = sum(f.write(part) for part in made)
+            assert written == 2 * math.prod(shape), f"{name}: {written} bytes is not {shape}"
     return 8 + len(text) + offset
 
 
-def write_model(shape: Shape, out: Path, tokenizer_gguf: Path, device: str = "cpu") -> Path:
+def write_model(shape: Shape, out: Path, tokenizer_gguf: Path) -> Path:
     """The model directory of `shape` in `out`: config.json, model.safetensors (random),
     tokenizer.json and tokenizer_config.json of the GGUF's tokenizer."""
-    import torch
 
     from gapless.core.common.model_files import load_tokenizer, resolve_model
 
@@ -436,11 +463,7 @@ def write_model(shape: Shape, out: Path, tokenizer_gguf: Path, device: str = "cp
     config = shape.config_json(eos=eos, bos=info.bos_token_id if info.bos_token_id else 1)
     arch = families.arch_from_config(config, shape.name)
     assert arch.vocab_size >= vocab, f"{shape.name}: a vocabulary smaller than the tokenizer's"
-    gen = torch.Generator(device=device).manual_seed(SEED)
-    tensors = parameters(arch)
-    write_safetensors(
-        out / "model.safetensors", tensors, lambda n, s: _values(n, s, arch, vocab, gen)
-    )
+    write_safetensors(out / "model.safetensors", parameters(arch), Values(arch, vocab))
     (out / "config.json").write_text(json.dumps(config, indent=1))
     tokenizer.save(str(out / "tokenizer.json"))
     tok_config = {
