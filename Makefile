@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup model serve test bench soak lint clean
+.PHONY: setup model serve test bench soak lint clean gpu-bundle
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
@@ -34,6 +34,12 @@ bench: model
 SOAK_ARGS ?=
 soak: model
 	$(PY) -m gapless.bench.soak $(SOAK_ARGS)
+
+# the offline GPU check's bundle, .gpu-bundle/ (README, "On a GPU"); needs the package index.
+# PREPARE_ARGS='--python 3.11' or '--host-freeze FILE' for a host other than the GPU image
+PREPARE_ARGS ?=
+gpu-bundle: model
+	$(PY) -m gapless.bench.gpu_check prepare $(PREPARE_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .
