@@ -51,11 +51,12 @@ class CudaBackend(ModelRunner):
     def __init__(self, config: EngineConfig) -> None:
         import_flashinfer()  # fail before loading weights when the extra is missing
         since = time.perf_counter()
+        free_at_start = torch.cuda.mem_get_info()[0]  # bytes, this process's context made
         super().__init__(config, device="cuda")
         self.copy_stream = torch.cuda.Stream()
         self._set_clock()
         # kernels built, largest step run, KV cache sized, graphs captured (gpu_runner/startup.py)
-        self.ready_info = start(self, since)
+        self.ready_info = start(self, since, free_at_start)
         self._set_clock()
 
     def first_kv_blocks(self) -> int:

@@ -111,16 +111,17 @@ def warm_up(runner) -> tuple[WarmupStep, int, int]:
     return step, step_peak, decode_peak
 
 
-def size_kv_cache(runner, step_peak: int, graphs: int) -> MemoryPlan:
-    """Free the warm-up's cache, measure what stays, and allocate the KV cache in the rest."""
+def size_kv_cache(runner, step_peak: int, graphs: int, free_at_start: int) -> MemoryPlan:
+    """Free the warm-up's cache, measure what stays, and allocate the KV cache in the rest
+    (free_at_start: the device's free bytes when this process began, its context made)."""
     c = runner.config
     runner.kv_cache = None
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info()
     static = torch.cuda.memory_allocated()
-    other = max(0, total - free - torch.cuda.memory_reserved())
-    plan = plan_memory(total, c.gpu_memory_utilization, static, step_peak, graphs, other)
+    other = max(0, free_at_start - free - torch.cuda.memory_reserved())
+    plan = plan_memory(total, c.gpu_memory_utilization, static, step_peak, graphs, other, free)
     per_block = kv_block_bytes(runner.arch, c.block_size, runner.dtype)
     cap = max_useful_blocks(c.max_num_seqs, c.model.max_model_len, c.block_size)
     runner.num_blocks = kv_cache_blocks(plan, per_block, cap)
@@ -128,9 +129,10 @@ def size_kv_cache(runner, step_peak: int, graphs: int) -> MemoryPlan:
     return plan
 
 
-def start(runner, since: float) -> dict[str, int]:
+def start(runner, since: float, free_at_start: int) -> dict[str, int]:
     """Stages 1-4 on a runner whose weights are loaded (since: perf_counter at the start of
-    the load); the ready message's extra fields (bytes and ms)."""
+    the load; free_at_start: the device's free bytes then); the ready message's extra fields
+    (bytes and ms)."""
     c = runner.config
     stages = Stages(since)
     weights = torch.cuda.memory_allocated()
@@ -147,7 +149,8 @@ def start(runner, since: float) -> dict[str, int]:
     )
     info: dict[str, int] = {}
     if sizes_by_kv(runner):
-        plan = size_kv_cache(runner, step_peak, decode_peak if runner.use_graphs else 0)
+        graphs = decode_peak if runner.use_graphs else 0
+        plan = size_kv_cache(runner, step_peak, graphs, free_at_start)
         info.update(memory_budget_bytes=plan.budget, memory_total_bytes=plan.total)
         stages.done(
             "KV cache sized",
