@@ -30,8 +30,10 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -221,6 +223,12 @@ class Check:
         self.deadline = args.t0 + args.budget
         self.plan, self.device = (REHEARSAL, "cpu") if args.rehearse else (PLAN, "cuda")
         self.children: list[subprocess.Popen] = []
+        self.writers: dict[str, subprocess.Popen] = {}  # shape -> the process writing its model
+        self.background_procs: list[subprocess.Popen] = []  # paused while a run is measured
+        self.quiet_dir = self.work / "quiet"  # a file here: something is being measured
+        self.quiet_dir.mkdir(exist_ok=True)
+        self.paused_s = 0.0
+        threading.Thread(target=self._pause_background, daemon=True).start()
         install = json.loads((self.work / "install.json").read_text())
         bundle = {}
         if install["bundle"]:
@@ -244,6 +252,7 @@ class Check:
 
     def save(self) -> None:
         self.report.data["elapsed_s"] = time.time() - self.t0
+        self.report.data["background_paused_s"] = self.paused_s
         self.report.save()
         if self.failures:
             (Path(self.args.out) / "log.txt").write_text("\n\n".join(self.failures)[-200_000:])
@@ -312,19 +321,70 @@ class Check:
             proc.wait()
 
     def stop_all(self) -> None:
+        for path in self.quiet_dir.iterdir():
+            path.unlink(missing_ok=True)
         for proc in self.children:
             self.stop(proc, grace=5.0)
+
+    @contextmanager
+    def quiet(self, name: str):
+        """While the block runs, the background work (pytest, kernel builds, model writes) is
+        paused, so it shares neither the GPU nor the cores with what is measured."""
+        path = self.quiet_dir / name
+        path.touch()
+        try:
+            yield
+        finally:
+            path.unlink(missing_ok=True)
+
+    def _pause_background(self) -> None:
+        """SIGSTOP the background process groups while the quiet folder holds a file (this
+        process's measured runs, the profile's timed sections), SIGCONT them after."""
+        paused_since = None
+        while True:
+            want = any(self.quiet_dir.iterdir()) if self.quiet_dir.exists() else False
+            if want != (paused_since is not None):
+                for proc in list(self.background_procs):
+                    if proc.poll() is None:
+                        try:
+                            os.killpg(proc.pid, signal.SIGSTOP if want else signal.SIGCONT)
+                        except ProcessLookupError:
+                            pass
+                if want:
+                    paused_since = time.time()
+                else:
+                    self.paused_s += time.time() - paused_since
+                    paused_since = None
+            time.sleep(0.05)
+
+    def write_models(self, shapes: list[str]) -> None:
+        """Start writing these shapes' model directories (one process, in order), unless
+        started before."""
+        shapes = [s for s in shapes if s not in self.writers]
+        if not shapes:
+            return
+        steps = ("-m", "gapless.bench.gpu_check.steps")
+        proc = self.spawn(f"models-{shapes[0]}", self.python(*steps, "models", "--work",
+                          str(self.work), "--tokenizer", str(self.work / "cache" /
+                          DEFAULT_CACHE_NAME), *shapes), nice=5)  # fmt: skip
+        self.writers.update(dict.fromkeys(shapes, proc))
+        self.background_procs.append(proc)
 
     def model_dir(self, shape: str, timeout: float) -> Path:
         from gapless.bench.gpu_check.steps import DONE
 
+        self.write_models([shape])
         out = self.work / "models" / shape
         end = time.time() + timeout
         while not (out / DONE).exists():
-            if time.time() > end or self.models.poll() not in (None, 0):
+            if time.time() > end or self.writers[shape].poll() not in (None, 0):
                 raise RuntimeError(f"the model directory of {shape} was not written")
             time.sleep(0.5)
         return out
+
+    def drop_model(self, shape: str) -> None:
+        """Delete a shape's directory once its stages are done: the disk holds a few at once."""
+        shutil.rmtree(self.work / "models" / shape, ignore_errors=True)
 
     # ------------------------------------------------------------------ stages
 
@@ -341,18 +401,17 @@ class Check:
         self.report.data["card"] = info
 
     def background(self, shapes: list[str]) -> None:
-        """Model directories (all shapes, in order) and the families' kernels, at low priority."""
+        """The main shapes' model directories, and the families' kernels at low priority."""
         steps = ("-m", "gapless.bench.gpu_check.steps")
-        self.models = self.spawn("models", self.python(*steps, "models", "--work", str(self.work),
-                                 "--tokenizer", str(self.work / "cache" / DEFAULT_CACHE_NAME),
-                                 *shapes), nice=5)  # fmt: skip
+        self.write_models(shapes)
         cores = os.cpu_count() or 8
-        families = [s for s in shapes if s in self.plan.families]
+        families = self.plan.families
         if not families:
             return
         self.kernels = self.spawn("kernels", self.python(*steps, "kernels", "--work",
                                   str(self.work), *families), nice=19,
-                                  jobs=max(2, cores // 4))  # fmt: skip
+                                  jobs=max(1, cores // 8))  # fmt: skip
+        self.background_procs.append(self.kernels)
 
     def pytest_start(self) -> None:
         files = sorted(
@@ -364,7 +423,8 @@ class Check:
         self.pytest_t0 = time.time()
         self.pytest = self.spawn("pytest", self.python(
             "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "-rfEs",
-            f"--junitxml={self.work / 'pytest.xml'}", *files), jobs=max(2, (os.cpu_count() or 8) // 3))  # fmt: skip
+            f"--junitxml={self.work / 'pytest.xml'}", *files), jobs=max(2, (os.cpu_count() or 8) // 4))  # fmt: skip
+        self.background_procs.append(self.pytest)
 
     def pytest_join(self) -> None:
         try:
@@ -396,7 +456,9 @@ class Check:
                           str(MAX_MODEL_LEN), *s.serve_args,
                           *([] if overlap else ["--no-overlap"]))  # fmt: skip
         t0 = time.time()
-        server = self.spawn(name, cmd, jobs=(os.cpu_count() or 8) // 2 + 2)
+        # why capped: each nvcc of flashinfer's prompt kernels takes GBs of host memory, and
+        # pytest and the families' kernels compile beside the first server
+        server = self.spawn(name, cmd, jobs=max(2, (os.cpu_count() or 8) // 2))
         url = f"http://127.0.0.1:{port}"
         try:
             _wait_healthy(server, url, self.left() - 20)
@@ -406,7 +468,6 @@ class Check:
             if s.cold:
                 first = self.bench(url, f"{name}-first", s.probe, 1, seed=11)
                 entry["first_ttft_ms"] = first["ttft_ms"]["p50"]
-            self.pytest_done_before_measuring()
             result = self.bench(url, name, s.workload, s.num_requests, seed=0)
             entry["bench"] = {k: result.get(k) for k in (
                 "completed", "num_requests", "duration_s", "output_token_throughput",
@@ -432,16 +493,6 @@ class Check:
         finally:
             self.stop(server)
 
-    def pytest_done_before_measuring(self) -> None:
-        """pytest's GPU work would share the device with a measured run: wait for it (bounded)."""
-        if self.pytest is not None and self.pytest.poll() is None and self.left() > 120:
-            try:
-                self.pytest.wait(min(90.0, self.left() - 100))
-            except subprocess.TimeoutExpired:
-                self.report.data["notes"].append(
-                    "pytest -m gpu was still running during the first measured run"
-                )
-
     def bench(self, url: str, name: str, workload: str, n: int, seed: int,
               concurrency: int | None = None) -> dict:  # fmt: skip
         out = self.work / f"{name}.json"
@@ -450,7 +501,8 @@ class Check:
                           "--output-json", str(out), "--no-progress")  # fmt: skip
         if concurrency:
             cmd += ["--max-concurrency", str(concurrency)]
-        self.wait(self.spawn(name, cmd), name, self.left() - 5)
+        with self.quiet(name):
+            self.wait(self.spawn(name, cmd), name, self.left() - 5)
         return json.loads(out.read_text())
 
     def profile(self, profiles: list[Profile]) -> None:
@@ -464,6 +516,8 @@ class Check:
         try:
             self.wait(proc, name, self.left() - 5)
         finally:
+            for path in self.quiet_dir.glob("profile-*"):  # left by a profile that died
+                path.unlink(missing_ok=True)
             for line in out.read_text().splitlines() if out.exists() else []:
                 record = json.loads(line)
                 if record.get("error"):
@@ -477,8 +531,7 @@ class Check:
         plan = self.plan
         self.save()
         main_shapes = list(dict.fromkeys(s.shape for s in plan.main))
-        shapes = main_shapes + [f for f in plan.families if f not in main_shapes]
-        self.background(shapes)
+        self.background(main_shapes)
         self.stage("card: matmul peak and HBM bandwidth", self.card, 20)
         if "card" not in self.report.data:
             self.report.data["status"] = "failed: no card measured"
@@ -493,16 +546,25 @@ class Check:
         names = ", ".join(p.shape for p in plan.profiles)
         estimate = sum(p.estimate_s for p in plan.profiles)
         self.stage(f"profile {names}", self.profile, estimate, plan.profiles)
+        self.drop_model(main_shapes[0])  # its stages are done
         for s in plan.main[2:]:
             self.stage(serve_name(s), self.serve, s.estimate_s, s)
         if self.pytest is not None:
             self.stage("pytest -m gpu", self.pytest_join)
-        for family in plan.families:
+        for i, family in enumerate(plan.families):
+            if self.left() < 30:
+                break
+            self.write_models(plan.families[i : i + 2])  # this one, and the next one ahead
             workload, n, flags = FAMILY_SERVE
             self.stage(f"profile {family}", self.profile, 30, [Profile(family, **FAMILY_PROFILE)])
             for overlap in (True, False):
                 serve = Serve(family, workload, n, "—", flags, overlap=overlap)
                 self.stage(serve_name(serve), self.serve, 35, serve)
+            self.drop_model(family)
+        skipped = [f for f in plan.families if not any(p["shape"] == f for p in
+                   self.report.data["profiles"])]  # fmt: skip
+        if skipped:
+            self.report.data["notes"].append(f"not reached in the budget: {', '.join(skipped)}")
         self.report.data["status"] = "complete" if self.left() > 0 else "complete, over budget"
         self.save()
         self.stop_all()

@@ -13,13 +13,27 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 DONE = ".done"  # a model directory or kernel marker is complete once this file exists
 TOKENIZER_VOCAB = 49152  # the default model's: prompt ids stay below it
+
+
+@contextmanager
+def quiet(work: Path):
+    """run.py pauses its background work (pytest, kernel builds) while this block runs."""
+    path = work / "quiet" / f"profile-{os.getpid()}"
+    path.parent.mkdir(exist_ok=True)
+    path.touch()
+    try:
+        yield
+    finally:
+        path.unlink(missing_ok=True)
 
 
 def _emit(path: Path, record: dict) -> None:
@@ -389,34 +403,35 @@ def profile_shape(spec: dict, work: Path, peak: float, bandwidth: float) -> dict
                  "startup": getattr(backend, "ready_info", {})}  # fmt: skip
     driver = Driver(backend, bs)
     vocab = min(arch.vocab_size, TOKENIZER_VOCAB)
-    start_decoding(driver, batch, first, room, vocab)
-    times = [driver.step(decode_plan(driver, batch)) for _ in range(warm + timed)][warm:]
-    mean_ctx = first + warm + (timed + 1) / 2
-    with profile(activities=activities) as prof:
-        for _ in range(profiled):
-            driver.step(decode_plan(driver, batch))
-    table = kernel_table(prof, profiled, device)
-    eager = device == "cuda" and len(table) < 3  # no kernels seen inside the graph replays
-    if eager:
-        graphs = dict(backend.graphs.graphs)
-        backend.graphs.graphs.clear()
+    with quiet(work):  # the timed sections: run.py pauses its background work
+        start_decoding(driver, batch, first, room, vocab)
+        times = [driver.step(decode_plan(driver, batch)) for _ in range(warm + timed)][warm:]
+        mean_ctx = first + warm + (timed + 1) / 2
         with profile(activities=activities) as prof:
             for _ in range(profiled):
                 driver.step(decode_plan(driver, batch))
-        backend.graphs.graphs.update(graphs)
         table = kernel_table(prof, profiled, device)
-    out["decode"] = step_record(
-        arch, floors.decode_entries(batch, round(mean_ctx)), times, bandwidth, peak, table
-    )
-    out["decode"].update(batch=batch, context=round(mean_ctx), kernels_eager=eager)
-    mixed, mixed_table = [], []
-    for rep, plan in enumerate(mixed_plans(driver, batch, prompts, prompt_len, reps, vocab)):
-        if rep < reps - 1:
-            mixed.append(driver.step(plan))
-            continue
-        with profile(activities=activities) as prof:
-            driver.step(plan)
-        mixed_table = kernel_table(prof, 1, device)
+        eager = device == "cuda" and len(table) < 3  # no kernels seen inside the graph replays
+        if eager:
+            graphs = dict(backend.graphs.graphs)
+            backend.graphs.graphs.clear()
+            with profile(activities=activities) as prof:
+                for _ in range(profiled):
+                    driver.step(decode_plan(driver, batch))
+            backend.graphs.graphs.update(graphs)
+            table = kernel_table(prof, profiled, device)
+        out["decode"] = step_record(
+            arch, floors.decode_entries(batch, round(mean_ctx)), times, bandwidth, peak, table
+        )
+        out["decode"].update(batch=batch, context=round(mean_ctx), kernels_eager=eager)
+        mixed, mixed_table = [], []
+        for rep, plan in enumerate(mixed_plans(driver, batch, prompts, prompt_len, reps, vocab)):
+            if rep < reps - 1:
+                mixed.append(driver.step(plan))
+                continue
+            with profile(activities=activities) as prof:
+                driver.step(plan)
+            mixed_table = kernel_table(prof, 1, device)
     entries = [floors.Entry(prompt_len, prompt_len)] * prompts
     entries += floors.decode_entries(batch - prompts, driver.context[batch - 1])
     out["mixed"] = step_record(arch, entries, mixed[1:], bandwidth, peak, mixed_table)

@@ -73,3 +73,33 @@ def test_the_rehearsal_writes_the_whole_report(tmp_path, default_gguf):
     assert report["sim_profiles"][0]["name"].endswith("smollm2-135m-gapless")
     text = (out / "report.md").read_text()
     assert text.startswith("# gapless GPU check on cpu") and "not reached" in text
+
+
+def test_background_work_pauses_while_a_run_is_measured(tmp_path):
+    import argparse
+    import time
+
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "install.json").write_text(json.dumps({"bundle": None}))
+    args = argparse.Namespace(work=str(work), t0=time.time(), budget=60.0, rehearse=True,
+                              out=str(tmp_path / "out"), argv=[], warm_jit=False)  # fmt: skip
+    check = run.Check(args)
+    ticks = tmp_path / "ticks"
+    counter = "import time\nwhile True:\n    open(%r, 'a').write('.')\n    time.sleep(0.01)\n"
+    proc = check.spawn("ticker", [sys.executable, "-c", counter % str(ticks)])
+    check.background_procs.append(proc)
+    try:
+        time.sleep(0.5)
+        assert ticks.stat().st_size > 5  # it runs
+        with check.quiet("measured run"):
+            time.sleep(0.2)  # the watcher stops it within its 50 ms poll
+            before = ticks.stat().st_size
+            time.sleep(0.5)
+            assert ticks.stat().st_size == before  # nothing ran while measured
+        time.sleep(0.3)
+        assert ticks.stat().st_size > before  # and it goes on after
+        assert check.paused_s > 0.5
+    finally:
+        check.stop_all()
+    assert proc.poll() is not None
