@@ -65,10 +65,13 @@ def test_the_stages_size_the_cache_from_the_measured_peaks(runner, monkeypatch, 
     real = startup.peak_above
     monkeypatch.setattr(startup, "peak_above", lambda fn: (real(fn), next(peaks))[1])
     built = []
-    monkeypatch.setattr(startup, "build_kernels", lambda r: built.append(r))
+    real_build = runner.attn.build
+    runner.attn.build = lambda layout, slots: built.append(layout) or real_build(layout, slots)
     caplog.set_level(logging.INFO, logger="gapless.gpu_runner")
     info = startup.start(runner, since=0.0, free_at_start=71 * GIB)
-    assert built == [runner] and runner.captured == 1
+    # a prompt step and a decode step planned (in two threads), before anything ran
+    assert sorted(b.is_decode for b in built[:2]) == [False, True]
+    assert runner.captured == 1
     names = [r.getMessage().split(": ", 1)[1].split(" in ")[0] for r in caplog.records
              if r.getMessage().startswith(startup.PREFIX)]  # fmt: skip
     assert names == ["weights loaded", "kernels built", "largest step run", "KV cache sized",
