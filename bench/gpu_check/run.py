@@ -266,8 +266,10 @@ class Check:
                 status="skipped", note=f"{self.left():.0f} s left, needs ~{estimate_s:.0f}"
             )
             self.save()
+            self.say(f"{name}: skipped ({entry['note']})")
             return None
         start = time.time()
+        self.say(f"{name} ...")
         try:
             result = fn(*args)
             entry["status"] = "ok"
@@ -279,6 +281,10 @@ class Check:
         finally:
             entry["seconds"] = time.time() - start
             self.save()
+            self.say(f"{name}: {entry['status']} in {entry['seconds']:.0f} s")
+
+    def say(self, text: str) -> None:
+        print(f"[{time.time() - self.t0:5.0f} s] {text}", flush=True)
 
     def python(self, *args: str) -> list[str]:
         return [sys.executable, *args]
@@ -568,6 +574,10 @@ class Check:
         self.report.data["status"] = "complete" if self.left() > 0 else "complete, over budget"
         self.save()
         self.stop_all()
+        for c in self.report.data["checks"]:
+            value = "—" if c["value"] is None else f"{c['value']:.3f}"
+            self.say(f"{c['check']}: {value} (target {c['target']}) {c['pass']}")
+        self.say(f"report: {self.args.out}/report.md")
         return 0
 
 
