@@ -333,10 +333,17 @@ def _kernels(data: dict) -> list[str]:
                 else ""
             )
             cats = ", ".join(f"{k} {100 * v:.0f} %" for k, v in r["categories"].items())
+            busy = ""
+            if r.get("kernel_ms") is not None:
+                busy = (
+                    f" Kernels ran {r['kernel_ms']:.2f} ms of the {r['step_ms']:.2f} ms step "
+                    f"({_pct(r['kernel_ms'] / r['step_ms'])}); the rest is the device waiting "
+                    "between launches."
+                )
             lines += [
                 f"### Kernels of {p['shape']}'s {kind} step{eager}",
                 "",
-                f"Device time by kind: {cats}.",
+                f"Device time by kind: {cats}.{busy}",
                 "",
                 "| kernel | kind | calls | µs / step | share |",
                 "|---|---|---|---|---|",
@@ -347,7 +354,19 @@ def _kernels(data: dict) -> list[str]:
                     f"{k['us_per_step']:.0f} | {100 * k['share']:.1f} % |"
                 )
             lines.append("")
-    return (["## Where the time goes", ""] + lines) if lines else []
+    return (["## Where the time goes", "", CANDIDATES, ""] + lines) if lines else []
+
+
+CANDIDATES = (
+    "What each kind decides among the issue's candidates: `norm` and `elementwise` (RMSNorm's "
+    "pow, mean, rsqrt, multiply, and the residual adds): fused residual + RMSNorm; `kv write / "
+    "rope` (the cat, neg and index_copy kernels): RoPE fused with the K/V cache write; "
+    "`activation`: fused SiLU·mul; `attention`: the attention kernel per group size; `copy / "
+    "cast` and `sampling` (the float32 logits, softmax, sort, top-k): logits only for the rows "
+    "that sample, sampling on bf16; the device waiting between launches in a mixed step: CUDA "
+    "graphs (whole or piecewise) or torch.compile for mixed steps; `matmul` and `moe experts` "
+    "against their share of the HBM floor: what no fusion removes."
+)
 
 
 def _pytest(data: dict) -> list[str]:

@@ -460,6 +460,7 @@ def step_record(arch, entries, times, bandwidth: float, peak: float, table: list
         "ratio": forward / (fl.floor_s * 1e3), "hbm_ratio": forward / (fl.hbm_s * 1e3),
         "tflops": cost.flops / (forward / 1e3) / 1e12, "peak_share": fl.flop_s * 1e3 / forward,
         "kernels": table[:20], "categories": categories(table),
+        "kernel_ms": sum(r["us_per_step"] for r in table) / 1e3,  # device busy in the step
     }  # fmt: skip
 
 

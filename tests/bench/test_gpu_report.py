@@ -112,6 +112,7 @@ def test_the_markdown_names_the_card_by_every_table(data, tmp_path):
     assert "sm90_xmma_gemm_bf16bf16_bf16f32" in text and "matmul" in text
     assert "| llama3-8b | 256 × 1024:256 (256 × 1024:512) | on | 5,870 | 1.2 % | — |" in text
     assert "kernels built in 80.1s" in text
+    assert "Kernels ran 1.00 ms of the 26.30 ms step (3.8 %)" in text  # 1,000 us of kernels
     saved = json.loads((tmp_path / "report.json").read_text())
     assert saved["checks"] == json.loads(json.dumps(checks(data)))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["report.json", "report.md"]
