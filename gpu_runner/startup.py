@@ -175,5 +175,11 @@ def start(runner, since: float, free_at_start: int) -> dict[str, int]:
         stages.done("CUDA graphs captured", f": {len(sizes)} decode sizes, {sizes[0]}-{sizes[-1]}")
     info["startup_ms"] = int((time.perf_counter() - since) * 1e3)
     for name, seconds in stages.seconds.items():
-        info[name.split()[0] + "_ms"] = int(seconds * 1e3)
+        info[STAGE_KEYS[name]] = int(seconds * 1e3)
     return info
+
+
+# each stage's time in the READY message, ms
+STAGE_KEYS = {"weights loaded": "load_ms", "kernels built": "kernels_ms",
+              "largest step run": "warmup_ms", "KV cache sized": "kv_sizing_ms",
+              "KV cache kept": "kv_sizing_ms", "CUDA graphs captured": "graphs_ms"}  # fmt: skip

@@ -84,6 +84,7 @@ def test_the_stages_size_the_cache_from_the_measured_peaks(runner, monkeypatch, 
     assert info["kv_cache_bytes"] == cap * per_block
     assert info["memory_budget_bytes"] == int(0.9 * 80 * GIB)
     assert info["memory_total_bytes"] == 80 * GIB and info["startup_ms"] > 0
+    assert {"load_ms", "kernels_ms", "warmup_ms", "kv_sizing_ms", "graphs_ms"} <= set(info)
     assert runner.last_seq == 0 and not runner.sampler._active.any()
     plans = Plans(BS)  # it serves the core's plans from 1 on
     assert len(runner.execute(plans.step({0: [5, 6, 7]}, [])).token_ids) == 1
