@@ -123,8 +123,8 @@ class StreamConnection(Protocol):
         ...
 
     def limit_send_buffer(self) -> None:
-        """Bounds the kernel's send buffer, so that what a client leaves unread shows soon
-        as bytes the transport holds (its flow control), not megabytes hidden in the kernel."""
+        """Bounds the kernel's send buffer (which grows to megabytes), so that a client that
+        stops reading soon holds the stream's writes back through flow control."""
         ...
 
     def end_now(self, body: bytes) -> bool:
@@ -247,12 +247,15 @@ class Responder:
 class SlowReaderWatch:
     """Judges a stream's client by what it has not taken off the socket, looked at every
     WATCH_TICK_S. Bytes the kernel holds unacknowledged wait on the client; bytes the transport
-    holds, and deltas in the stream's inbox, may wait on this process's event loop (a busy
-    loop writes late), so they are never held against a client. A stream is cut when the
-    kernel holds more than max_events of its events unread (at the stream's mean event size;
-    "buffer"), or when the kernel held bytes for it and the client took none of them for
-    write_timeout_s ("write_timeout"). Where the kernel's queue cannot be read, the
-    transport's bytes stand in for it."""
+    holds, and deltas that wait for the stream's handler, may wait on this process's event
+    loop instead (a busy loop writes late), so they count against a client only while it is
+    stuck: the kernel held bytes for it at the last look and still does, none of them taken
+    (a client that reads acknowledges them within a round trip).
+
+    A stream is cut when its events unread in the kernel (at the stream's mean event size),
+    and while it is stuck the tokens waiting for its handler (`waiting()`), pass max_events
+    ("buffer"), or when it stays stuck for write_timeout_s ("write_timeout"). Where the
+    kernel's queue cannot be read, the transport's bytes stand in for it."""
 
     def __init__(
         self,
@@ -260,13 +263,16 @@ class SlowReaderWatch:
         connection: StreamConnection,
         write_timeout_s: float,
         max_events: int,
+        waiting: Callable[[], int] | None = None,
     ) -> None:
         self.out = out
         self.connection = connection
         self.write_timeout_s = write_timeout_s
         self.max_events = max_events
+        self.waiting = waiting
         self._taken = 0  # most bytes the client was seen to have taken
-        self._waiting_since: float | None = None  # monotonic; bytes wait, none taken since
+        self._unread = 0  # bytes that waited on the client at the last look
+        self._clear_at: float | None = None  # monotonic: the last look it was not stuck
 
     def check(self, now: float) -> SlowReader | None:
         out = self.out
@@ -276,17 +282,19 @@ class SlowReaderWatch:
         # client's share look smaller, never larger; bytes our loop moves from the transport
         # to the kernel leave it as it was
         taken = out.sent_bytes - held - (queued or 0)
-        if unread <= 0:
-            self._waiting_since = None
-        elif taken > self._taken or self._waiting_since is None:
-            self._waiting_since = now
-        elif now - self._waiting_since > self.write_timeout_s:
+        stuck = unread > 0 and self._unread > 0 and taken <= self._taken
+        self._taken, self._unread = max(self._taken, taken), unread
+        if not stuck or self._clear_at is None:
+            self._clear_at = now
+        elif now - self._clear_at > self.write_timeout_s:
             return SlowReader(
                 "write_timeout",
                 f"the client read nothing of its stream for {self.write_timeout_s:g} s",
             )
-        self._taken = max(self._taken, taken)
-        if out.sent_bytes and unread * out.sent_events > self.max_events * out.sent_bytes:
+        events = unread * out.sent_events / out.sent_bytes if out.sent_bytes else 0.0
+        if stuck and self.waiting is not None:
+            events += self.waiting()
+        if events > self.max_events:
             return SlowReader("buffer", f"the client left over {self.max_events} events unread")
         return None
 

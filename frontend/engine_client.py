@@ -186,6 +186,11 @@ class EngineClient:
         for inbox in held:
             inbox.flush()
 
+    def tokens_waiting(self, request_id: str) -> int:
+        """Tokens of generate_n(request_id)'s choices that wait for its consumer."""
+        inbox = self._queues.get(f"{request_id}-0")
+        return 0 if inbox is None else sum(len(d.token_ids) for d, _ in inbox.waiting())
+
     def cut_all(self, reason: str) -> list[str]:
         """End every request in flight here with StreamCut(reason); returns their names (each
         one's label, its X-Request-Id, or else its request id)."""

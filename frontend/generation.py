@@ -325,7 +325,9 @@ async def stream(
     await out.done()
 
 
-def _watch(state: FrontendState, req: HttpRequest, out: Responder) -> SlowReaderWatch | None:
+def _watch(
+    state: FrontendState, job: Job, req: HttpRequest, out: Responder
+) -> SlowReaderWatch | None:
     """A stream's slow-reader watch, its kernel send buffer bounded, where the server tells
     of its connection."""
     connection = (req.scope.get("extensions") or {}).get(STREAM_CONNECTION)
@@ -335,7 +337,11 @@ def _watch(state: FrontendState, req: HttpRequest, out: Responder) -> SlowReader
     out.connection = connection
     config = state.config
     return SlowReaderWatch(
-        out, connection, config.stream_write_timeout_s, config.stream_buffer_events
+        out,
+        connection,
+        config.stream_write_timeout_s,
+        config.stream_buffer_events,
+        lambda: state.engine.tokens_waiting(job.request_id),
     )
 
 
@@ -357,7 +363,9 @@ async def respond(
     try:
         if streaming:
             await unless_disconnected(
-                req.receive, stream(state, job, out, fmt, include_usage), _watch(state, req, out)
+                req.receive,
+                stream(state, job, out, fmt, include_usage),
+                _watch(state, job, req, out),
             )
             return
         choices = await unless_disconnected(req.receive, collect(state, job))

@@ -97,6 +97,10 @@ class Inbox:
                 self.direct = None
         self._wake()
 
+    def waiting(self) -> list[Any]:
+        """The delta items that wait, in order (the inbox's own list: read, do not change)."""
+        return self._deltas
+
     def compact(self, fold: Callable[[list[Any]], list[Any]]) -> None:
         """What waits becomes fold(what waits), in the same place in the queue."""
         self._deltas = fold(self._deltas)

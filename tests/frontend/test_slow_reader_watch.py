@@ -17,13 +17,14 @@ class FakeConnection:
         return self.held, self.queued
 
 
-def _watch(timeout_s: float = 5.0, max_events: int = 64):
+def _watch(timeout_s: float = 5.0, max_events: int = 64, waiting: list[int] | None = None):
     async def send(message: dict) -> None:
         pass
 
     out = Responder(send)
     connection = FakeConnection()
-    watch = SlowReaderWatch(out, connection, timeout_s, max_events)  # type: ignore[arg-type]
+    behind = (lambda: waiting[0]) if waiting is not None else None
+    watch = SlowReaderWatch(out, connection, timeout_s, max_events, behind)  # type: ignore[arg-type]
     return out, connection, watch
 
 
@@ -85,3 +86,23 @@ def test_without_the_kernels_count_the_transports_stands_in() -> None:
     _write(out, 200)
     connection.queued, connection.held = None, 65 * EVENT
     assert watch.check(0.0).reason == "buffer"  # type: ignore[union-attr]
+
+
+def test_tokens_behind_a_stuck_client_count_and_behind_a_reading_one_do_not() -> None:
+    """What waits for the handler counts once the kernel holds bytes the client does not
+    take: its handler waits on the client then, not on the event loop."""
+    waiting = [500]
+    out, connection, watch = _watch(max_events=64, waiting=waiting)
+    _write(out, 100)
+    connection.held = 50 * EVENT  # a busy loop has not flushed them: nothing in the kernel
+    assert watch.check(0.0) is None
+    assert watch.check(0.5) is None
+    for tick in range(1, 5):  # the client reads: it takes ten events a look
+        _write(out, 10)
+        connection.queued = 10 * EVENT if tick == 1 else 5 * EVENT
+        assert watch.check(0.5 + tick * 0.5) is None
+    # it stops: ten events in the kernel, none taken, five hundred tokens behind them
+    slow = watch.check(3.0)
+    assert slow is not None and slow.reason == "buffer"
+    waiting[0] = 0
+    assert _watch(max_events=64, waiting=waiting)[2].check(0.0) is None
