@@ -406,17 +406,17 @@ class Check:
         info["datasheet"] = {"hbm_bandwidth": sheet.hbm_bandwidth, "bf16_peak": sheet.bf16_peak}
         self.report.data["card"] = info
 
-    def background(self, shapes: list[str]) -> None:
-        """The main shapes' model directories, and the families' kernels at low priority."""
-        steps = ("-m", "gapless.bench.gpu_check.steps")
-        self.write_models(shapes)
-        cores = os.cpu_count() or 8
+    def build_family_kernels(self) -> None:
+        """The families' kernels, at low priority. why not from the start: a build holds its
+        kernel's lock, and the first server must not wait for a low-priority build of one it
+        shares with a family."""
         families = self.plan.families
         if not families:
             return
+        steps = ("-m", "gapless.bench.gpu_check.steps")
+        jobs = max(1, (os.cpu_count() or 8) // 8)
         self.kernels = self.spawn("kernels", self.python(*steps, "kernels", "--work",
-                                  str(self.work), *families), nice=19,
-                                  jobs=max(1, cores // 8))  # fmt: skip
+                                  str(self.work), *families), nice=19, jobs=jobs)  # fmt: skip
         self.background_procs.append(self.kernels)
 
     def pytest_start(self) -> None:
@@ -542,7 +542,7 @@ class Check:
         plan = self.plan
         self.save()
         main_shapes = list(dict.fromkeys(s.shape for s in plan.main))
-        self.background(main_shapes)
+        self.write_models(main_shapes)
         self.stage("card: matmul peak and HBM bandwidth", self.card, 20)
         if "card" not in self.report.data:
             self.report.data["status"] = "failed: no card measured"
@@ -552,8 +552,10 @@ class Check:
         self.pytest = None
         if not self.args.rehearse:
             self.pytest_start()
-        for s in plan.main[:2]:
+        for i, s in enumerate(plan.main[:2]):
             self.stage(serve_name(s), self.serve, s.estimate_s, s)
+            if i == 0:
+                self.build_family_kernels()
         names = ", ".join(p.shape for p in plan.profiles)
         estimate = sum(p.estimate_s for p in plan.profiles)
         self.stage(f"profile {names}", self.profile, estimate, plan.profiles)
