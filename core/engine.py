@@ -32,6 +32,7 @@ from gapless.core.common.messages import (
     SamplingParams,
     Shutdown,
     StepPlan,
+    StepRefused,
     StepResult,
     StreamEnded,
     Timeline,
@@ -233,7 +234,7 @@ class EngineCore:
 
     # 2. a step ------------------------------------------------------------------------------
 
-    def step(self, result: StepResult | None = None) -> EngineOutputs:
+    def step(self, result: StepResult | StepRefused | None = None) -> EngineOutputs:
         """Apply the oldest step's result if one came, plan ahead, and return what to send."""
         out = None if result is None else self._take(result)
         now = time.monotonic()
@@ -305,7 +306,7 @@ class EngineCore:
                 self._freed.append((time.monotonic(), len(step.plan.freed_slots)))
             self.metrics.step_planned(step, self.scheduler.running)
 
-    def _take(self, result: StepResult) -> StepOutput | None:
+    def _take(self, result: StepResult | StepRefused) -> StepOutput | None:
         """Apply the result of the oldest step in flight; any other is dropped. One whose shape
         does not match that step's plan ends the step's requests with an error. Per step: a
         sequence number and a few lengths compared."""
@@ -316,6 +317,8 @@ class EngineCore:
                 "unplanned_result", f"result of step {result.seq} ({expected}): dropped"
             )
             return None
+        if isinstance(result, StepRefused):
+            return self._fail_step(f"the runner refused step {result.seq}: {result.reason}")
         step, n = inflight[0], len(result.token_ids)
         lps = result.logprobs
         if n == len(step.sampled) and result.timing is not None and (not lps or len(lps) == n):

@@ -19,6 +19,7 @@ from gapless.core.common.messages import (
     RunnerInput,
     RunnerOutput,
     RunnerReady,
+    StepRefused,
     StepResult,
 )
 from gapless.core.common.process import (
@@ -95,7 +96,7 @@ class CoreProcess:
         core, poller = self.core, zmq.Poller()
         poller.register(self.inbox.socket, zmq.POLLIN)
         poller.register(self.results.socket, zmq.POLLIN)
-        result: StepResult | None = None
+        result: StepResult | StepRefused | None = None
         beat_at = 0.0  # time.monotonic() of the last Heartbeat
         stats = StatsLine(core, core.config.stats_interval_s)
         while not core.shutdown and not stop_requested():
@@ -118,6 +119,8 @@ class CoreProcess:
                 match self.results.recv(timeout_ms=0):
                     case StepResult() as result:
                         stats.num_tokens += len(result.token_ids)
+                    case StepRefused() as result:  # its requests end with an error
+                        pass
                     case RunnerError(seq=seq, message=message) if core.is_inflight(seq):
                         raise RuntimeError(f"gpu_runner failed: {message}")
                     case RunnerReady() | RunnerError() as other:  # why: only at start, or stray

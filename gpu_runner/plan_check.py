@@ -1,5 +1,6 @@
-"""The runner's boundary: a StepPlan its batch could not run is dropped before it changes
-anything (core/common/bad_messages.py).
+"""The runner's boundary: a StepPlan its batch could not run is refused before it changes
+anything (core/common/bad_messages.py): a StepRefused takes its result's place in line, and the
+core ends that step's requests with an error.
 
 Plans come strictly in sequence; a plan frees only slots in use and adds only slots that are
 free, schedules each slot in use at most once, appends blocks of the KV pool (never the reserved
@@ -37,14 +38,21 @@ class PlanCheck:
         self._slot_array = np.zeros(0, np.int64)  # [B] the same
 
     def accept(self, plan: StepPlan) -> bool:
-        """Whether to launch plan; a plan that breaks an invariant is counted and dropped."""
+        """Whether to launch plan; a plan that breaks an invariant is counted and refused."""
+        return self.refusal(plan) is None
+
+    def refusal(self, plan: StepPlan) -> str | None:
+        """None if plan may run, else why not (counted). A plan next in sequence moves the
+        sequence on, refused or not, so the plans after it are judged on their own."""
         problem = self.problem(plan)
-        if problem is None:
+        last = self.last_seq
+        if plan.seq == last + 1:
             self.last_seq = plan.seq
-            return True
+        if problem is None:
+            return None
         reason, why = problem
-        self.bad.report(reason, f"plan {plan.seq} (after {self.last_seq}): {why}; dropped")
-        return False
+        self.bad.report(reason, f"plan {plan.seq} (after {last}): {why}; refused")
+        return f"{reason}: {why}"
 
     def problem(self, plan: StepPlan) -> tuple[str, str] | None:
         """(reason, detail) of the first invariant plan breaks, else None."""

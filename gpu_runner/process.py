@@ -10,12 +10,22 @@ import zmq
 
 from gapless.core.common.channel import Receiver, Sender
 from gapless.core.common.config import EngineConfig
-from gapless.core.common.messages import RunnerInput, RunnerOutput, RunnerReady, Shutdown
+from gapless.core.common.messages import (
+    RunnerInput,
+    RunnerOutput,
+    RunnerReady,
+    Shutdown,
+    StepRefused,
+)
 from gapless.core.common.process import RUNNER_IN, RUNNER_OUT, ControlReporter, stop_requested
 from gapless.gpu_runner.plan_check import PlanCheck
 from gapless.gpu_runner.threads import set_wait_policy
 
 IDLE_POLL_S = 0.1
+
+
+def _until_ready(backend, step) -> float:
+    return 0.0 if isinstance(step, StepRefused) else backend.seconds_until_ready(step)
 
 
 def run_gpu_runner(config: EngineConfig) -> None:
@@ -43,16 +53,21 @@ def run_gpu_runner(config: EngineConfig) -> None:
         while not stop_requested():
             # 1. launch every plan that is waiting; wait for one no longer than the oldest
             #    step has left, so no plan waits while the device runs and nothing is late
-            wait_s = backend.seconds_until_ready(inflight[0]) if inflight else IDLE_POLL_S
+            wait_s = _until_ready(backend, inflight[0]) if inflight else IDLE_POLL_S
             if plans.wait(wait_s):
                 for msg in plans.drain():
                     if isinstance(msg, Shutdown):
                         return
-                    if check.accept(msg):  # why first: a plan the batch cannot run changes nothing
-                        inflight.append(backend.launch(msg))
+                    # why first: a plan the batch cannot run changes nothing; its refusal
+                    # takes the step's place in line, so the core learns of it in order
+                    why = check.refusal(msg)
+                    inflight.append(
+                        backend.launch(msg) if why is None else StepRefused(msg.seq, why)
+                    )
             # 2. publish the oldest step once its ids are on the host
-            if inflight and backend.seconds_until_ready(inflight[0]) <= 0:
-                results.send(backend.collect(inflight.popleft()))
+            if inflight and _until_ready(backend, inflight[0]) <= 0:
+                step = inflight.popleft()
+                results.send(step if isinstance(step, StepRefused) else backend.collect(step))
     except Exception as e:
         control.fatal(f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
         time.sleep(0.2)

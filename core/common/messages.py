@@ -207,7 +207,15 @@ class RunnerError(_Msg):
     message: str
 
 
-RunnerOutput = StepResult | RunnerReady | RunnerError
+class StepRefused(_Msg):
+    """The runner's answer to a plan its batch cannot run (gpu_runner/plan_check.py), in the
+    place of that step's result: the core ends the step's requests with an error."""
+
+    seq: int
+    reason: str
+
+
+RunnerOutput = StepResult | RunnerReady | RunnerError | StepRefused
 
 
 # ---------------------------------------------------------------- core -> detokenizer

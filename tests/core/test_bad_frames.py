@@ -24,6 +24,7 @@ from gapless.core.common.messages import (
     GetStats,
     GetTimeline,
     SamplingParams,
+    StepRefused,
     StepResult,
     StepTiming,
 )
@@ -269,6 +270,32 @@ def test_a_result_of_a_step_never_planned_is_dropped(sim) -> None:
     assert len(h.outputs["a"]) == len(h.outputs["b"]) == 6
     assert 9 not in h.outputs["a"] + h.outputs["b"]
     assert _bad_messages("core", "unplanned_result") - before == 3
+
+
+def test_a_refused_plan_ends_that_steps_requests_and_the_engine_goes_on(sim) -> None:
+    """The runner refuses a plan it cannot run (gpu_runner/plan_check.py) in its result's
+    place: that step's requests end with an error, nothing waits for a result that will not
+    come, and the next request is served."""
+    h = _harness(sim)
+    h.add("a", PROMPT, _params(max_tokens=8))
+    h.add("b", PROMPT, _params(max_tokens=8))
+    refused = {}
+
+    def refuse(k, result):
+        if k == 4 and len(result.token_ids) == 2:
+            refused["seq"] = result.seq
+            return StepRefused(result.seq, "plan_slots: a slot not in use")
+        return result
+
+    _drive(h, refuse)
+    assert refused, "the step was found"
+    assert h.finish == {"a": "error", "b": "error"}
+    assert all("the runner refused step" in h.deltas[r][-1].error for r in ("a", "b"))
+    h.add("c", PROMPT, _params(max_tokens=5))
+    h.run()
+    assert h.finish["c"] == "length" and len(h.outputs["c"]) == 5
+    s = h.scheduler
+    assert s.requests == {} and s.blocks.num_free == s.blocks.num_usable
 
 
 def test_a_result_that_does_not_fit_its_plan_ends_that_steps_requests(sim) -> None:

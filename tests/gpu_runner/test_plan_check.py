@@ -24,6 +24,7 @@ from gapless.core.common.messages import (
     SamplingParams,
     Shutdown,
     StepPlan,
+    StepRefused,
     StepResult,
 )
 from gapless.core.common.process import CONTROL, RUNNER_IN, RUNNER_OUT
@@ -160,8 +161,10 @@ def test_an_impossible_plan_is_dropped_and_changes_nothing(config, plan, reason)
     assert not check.accept(plan)
     assert _bad(reason) - before == 1
     assert (sim.batch.active == active).all() and (sim.batch.num_blocks == blocks).all()
-    assert check.last_seq == 1
-    nxt = _decode(2, [0], 15)  # the next good plan runs
+    # a refused plan next in line moves the sequence on (the core failed its step); one out
+    # of order does not
+    assert check.last_seq == (2 if plan.seq == 2 else 1)
+    nxt = _decode(check.last_seq + 1, [0], 15)  # the next good plan runs
     assert check.accept(nxt)
     assert len(sim.collect(sim.launch(nxt)).token_ids) == 1
 
@@ -180,16 +183,19 @@ def test_the_runner_loop_drops_impossible_plans_and_runs_the_next(config, tmp_pa
         ready = control.recv(timeout_ms=5_000)
         assert isinstance(ready, Ready) and ready.role == "gpu_runner"
         plans = Sender(ctx, cfg.ipc(RUNNER_IN))
-        # before: an IndexError (slot 99) or the out-of-order assert ended the runner
-        for bad in (_decode(1, [99], 0), _decode(7, [0], 0), _decode(1, [0, 0], 0)):
+        # before: an IndexError (slot 99) or the out-of-order assert ended the runner; each
+        # refusal now takes its step's place in line, so the core ends that step's requests
+        for bad in (_decode(1, [99], 0), _decode(7, [0], 0), _decode(2, [0, 0], 0)):
             plans.send(bad)
+            refused = results.recv(timeout_ms=10_000)
+            assert isinstance(refused, StepRefused) and refused.seq == bad.seq, refused
         got: deque = deque()
-        for plan in (_prefill(1), _decode(2, [0], 16, num_new_blocks=[1], new_blocks=[4])):
+        for plan in (_prefill(3), _decode(4, [0], 16, num_new_blocks=[1], new_blocks=[4])):
             plans.send(plan)
             msg = results.recv(timeout_ms=10_000)
             assert isinstance(msg, StepResult), msg
             got.append(msg)
-        assert [(r.seq, len(r.token_ids)) for r in got] == [(1, 1), (2, 1)]
+        assert [(r.seq, len(r.token_ids)) for r in got] == [(3, 1), (4, 1)]
         assert _bad("plan_slots") + _bad("plan_out_of_order") - before == 3
         plans.send(Shutdown())
         thread.join(timeout=10)
