@@ -198,7 +198,7 @@ class App:
         _check_admin(caller, req.path)
         query = parse_qs(req.scope.get("query_string", b"").decode("latin-1"))
         raw = query.get("last", ["256"])[-1]
-        if not raw.isdigit() or int(raw) > KEEP_STEPS:
+        if not raw.isascii() or not raw.isdigit() or int(raw) > KEEP_STEPS:  # not "²"
             raise ApiError(400, f"`last` must be an integer from 0 to {KEEP_STEPS}", param="last")
         timeline = await _from_engine(self.state.engine.get_timeline(int(raw)))
         await out.json(

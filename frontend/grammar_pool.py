@@ -163,6 +163,8 @@ class _Slot:
             ready = None
         if ready != b"":
             status = self._discard()
+            if self.closed:  # killed while starting
+                raise Unavailable("the server is shutting down")
             raise Unavailable(f"the grammar worker did not start (status {status})")
         return proc
 

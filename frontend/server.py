@@ -27,6 +27,7 @@ from gapless.frontend.engine_client import ZmqEngineClient
 from gapless.frontend.http import head_limited
 from gapless.frontend.prompts import Prompter
 from gapless.frontend.state import FrontendState
+from gapless.frontend.structured import Grammars
 
 log = logging.getLogger("gapless.frontend")
 
@@ -49,10 +50,12 @@ class _Server(uvicorn.Server):
         admission: Admission,
         engine: ZmqEngineClient,
         drain_timeout_s: float,
+        grammars: Grammars | None = None,
     ) -> None:
         super().__init__(config)
         self.admission = admission
         self.engine = engine
+        self.grammars = grammars  # compiles in flight end at the cut too
         self.drain_timeout_s = drain_timeout_s
         self.loop = asyncio.get_running_loop()
         self.cut_timer: asyncio.TimerHandle | None = None
@@ -74,6 +77,8 @@ class _Server(uvicorn.Server):
     def cut(self) -> None:
         """The drain ran out of time: end every request still in flight here."""
         reason = f"the server is shutting down: the {self.drain_timeout_s:g} s drain ran out"
+        if self.grammars is not None:  # a request still compiling gets its 503 now
+            self.grammars.close()
         names = self.engine.cut_all(reason)
         if names:
             log.warning(
@@ -167,6 +172,7 @@ async def serve(
         app.state.admission,
         engine,
         config.drain_timeout_s,
+        grammars,
     )
 
     def exit_soon(reason: str) -> None:

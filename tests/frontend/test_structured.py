@@ -223,6 +223,28 @@ async def test_runaway_schema_is_a_400_and_the_frontend_comes_back_to_rest(bound
     assert again.status_code == 400 and time.monotonic() - t0 < 0.5
 
 
+async def test_the_drain_cut_ends_a_compile_in_flight(bounded, engine) -> None:
+    """SIGTERM's drain: a request still compiling when the drain runs out gets its 503 then,
+    not when its compile would have ended."""
+    import uvicorn
+
+    from gapless.frontend.server import _Server
+
+    client, pool = bounded
+    body = {"messages": USER, "response_format": json_format(runaway_schema(99), strict=False)}
+    request = asyncio.ensure_future(client.post("/v1/chat/completions", json=body))
+    await asyncio.sleep(0.3)
+    assert not request.done()
+    grammars = client._transport.app.state.prompter.grammars  # type: ignore[attr-defined]
+    server = _Server(uvicorn.Config(None), None, engine, 0.1, grammars)  # type: ignore[arg-type]
+    t0 = time.monotonic()
+    server.cut()
+    r = await asyncio.wait_for(request, 1.0)
+    assert time.monotonic() - t0 < 0.5
+    assert r.status_code == 503, r.text
+    assert "shutting down" in r.json()["error"]["message"]
+
+
 async def test_ten_runaway_schemas_leave_chat_requests_unharmed(bounded, engine) -> None:
     client, pool = bounded
 
