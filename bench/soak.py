@@ -7,6 +7,10 @@ cancellations, then a killed role.
 2. Reports requests, errors (anything but a clean end or a planned cancel), leaked KV blocks
    (held once the load stopped and the engine went idle) and RSS per process (after warm-up,
    at the end, the drift in %).
+   With `--hostile N`, N more clients send what a hostile one would (bench/hostile.py: schemas
+   that never compile, 3 MB prompts, bad JSON, streams never read) the whole time: each must be
+   refused or cut, the well-behaved streams must see no error, and the server's counters must
+   match what the clients saw (requests rejected, slow clients, aborts).
 3. Starts streams again, SIGKILLs a random role (runner, core, detokenizer or the supervisor),
    and checks every stream in flight ended with an error event, that every process exited, and
    that nothing of the run is left in /dev/shm or the temp directory.
@@ -28,6 +32,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
+
+from gapless.bench.hostile import HostileTally, hostile_worker
 
 ROLES = {"runner": "gapless-runner", "core": "gapless-core", "detokenizer": "gapless-detok"}
 
@@ -148,6 +154,32 @@ async def _kill_phase(url: str, streams: int, victim_pid: int, seed: int, max_to
             "all_ended_s": round(took, 2), "samples": tally.error_samples[:2]}  # fmt: skip
 
 
+def _counters(text: str) -> dict[str, float]:
+    """Totals of the counters the clients can check, summed over their labels."""
+    names = {
+        "gapless_requests_rejected_total": "rejected",
+        "gapless_slow_clients_total": "slow_clients",
+        "gapless_requests_aborted_total": "aborted",
+    }
+    out = dict.fromkeys(names.values(), 0.0)
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in names:
+            out[names[name]] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def _counters_exact(counters: dict[str, float], tally: Tally, hostile: HostileTally) -> dict:
+    """Each counter against what the clients saw: every 4xx a client got was counted as
+    rejected, every cut non-reader as a slow client, every cancel as an abort."""
+    cut = sum(c["cut"] for c in hostile.outcomes.values())
+    return {
+        "rejected": counters["rejected"] == hostile.refused(),
+        "slow_clients": counters["slow_clients"] == cut,
+        "aborted": counters["aborted"] == tally.cancelled,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="soak", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
@@ -160,6 +192,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cancel", type=float, default=0.1, help="share of streams cancelled")
     p.add_argument("--kill", choices=[*ROLES, "supervisor", "random"], default="random")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hostile", type=int, default=0, metavar="N",
+                   help="hostile clients beside the load (bench/hostile.py)")  # fmt: skip
+    p.add_argument("--write-timeout", type=float, default=5.0,
+                   help="the server's --stream-write-timeout (s)")  # fmt: skip
     p.add_argument("--output-json", type=Path)
     p.add_argument("serve_args", nargs="*", help="extra `gapless serve` flags (after --)")
     args = p.parse_args(argv)
@@ -169,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     url = f"http://127.0.0.1:{port}"
     serve = [sys.executable, "-m", "gapless.core.launch.cli", "serve", "--port", str(port),
              "--device", "sim", "--served-model-name", "soak", "--max-num-seqs",
-             str(args.max_num_seqs), "--log-level", "warning", *args.serve_args]  # fmt: skip
+             str(args.max_num_seqs), "--log-level", "warning", "--stream-write-timeout",
+             str(args.write_timeout), *args.serve_args]  # fmt: skip
     proc = subprocess.Popen(serve, stdin=subprocess.DEVNULL)
     report: dict = {"device": "sim", "serve": serve[3:]}
     try:
@@ -186,23 +223,33 @@ def main(argv: list[str] | None = None) -> int:
         run_dir = next(Path(tempfile.gettempdir()).glob(f"gapless-{proc.pid}-*"))
         procs = {"supervisor": proc.pid, **_children(proc.pid)}
         streams = max(1, round(args.load * args.max_num_seqs))
-        tally = Tally()
+        tally, hostile = Tally(), HostileTally()
         start = time.monotonic()
         baseline: dict[str, int] = {}
+        hold_s = args.write_timeout + 3.0  # a non-reader looks for its cut after this
 
         async def soak() -> None:
-            load = asyncio.ensure_future(_load(url, streams, start + args.duration, tally,
-                                               args.seed, args.cancel, args.max_tokens))  # fmt: skip
+            until = start + args.duration
+            load = asyncio.ensure_future(_load(url, streams, until, tally, args.seed,
+                                               args.cancel, args.max_tokens))  # fmt: skip
+            attacks = [
+                asyncio.ensure_future(hostile_worker(url, "soak", until, hostile, i, hold_s))
+                for i in range(args.hostile)
+            ]
             await asyncio.sleep(min(warmup, args.duration))
             baseline.update({n: _rss_kib(pid) for n, pid in procs.items()})
-            await load
+            await asyncio.gather(load, *attacks)
 
         asyncio.run(soak())
         end_rss = {n: _rss_kib(pid) for n, pid in procs.items()}
         time.sleep(1.0)  # the last aborts reach the core
         stats = httpx.get(url + "/v1/engine/stats", timeout=10).json()
+        counters = _counters(httpx.get(url + "/metrics", timeout=10).text)
         report["soak"] = {
             **asdict(tally),
+            "hostile": hostile.summary(),
+            "counters": counters,
+            "counters_exact": _counters_exact(counters, tally, hostile),
             "duration_s": round(time.monotonic() - start, 1),
             "streams": streams,
             "requests_per_s": round(tally.requests / args.duration, 2),
@@ -238,8 +285,15 @@ def main(argv: list[str] | None = None) -> int:
             proc.kill()
         proc.wait()
     s, k = report["soak"], report["kill"]
+    hostile_ok = all(
+        set(outcomes) <= {"400", "413", "429", "cut"}
+        for outcomes in s["hostile"]["outcomes"].values()
+    )
     ok = (
         s["errors"] == 0
+        and hostile_ok
+        and all(s["counters_exact"].values())
+        and all(abs(d) <= 10.0 for d in s["rss_drift_pct"].values())
         and s["leaked_kv_blocks"] == 0
         and set(k["ends"]) <= {"error"}
         and not k["processes_left"]

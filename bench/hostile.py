@@ -1,0 +1,153 @@
+"""Hostile clients for the soak (bench/soak.py `--hostile N`): each request is one a careless or
+malicious client sends, and each must cost the server a bounded refusal, never harm to others.
+
+Kinds, taken in turn by each hostile worker:
+- `schema`: a chat request whose json_schema never finishes compiling (an allOf of search
+  patterns): refused with a 400 (or 429 while the compile slots are full);
+- `long_prompt`: a 3 MB text prompt: refused before tokenizing;
+- `bad_json`: a truncated body and a 2,000-deep array: refused with a 400;
+- `non_reader`: a stream whose client never reads, its receive buffer small: the server must cut
+  it within its write timeout and end it with an error event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import httpx
+
+KINDS = ("schema", "long_prompt", "bad_json", "non_reader")
+LONG_PROMPT_CHARS = 3 * 2**20
+RCVBUF_BYTES = 4096  # the never-reading client's socket buffer: what it "holds" of the stream
+
+
+@dataclass
+class HostileTally:
+    """Per kind, how each hostile request ended (an HTTP status, `cut`, or what went wrong)."""
+
+    outcomes: dict[str, Counter] = field(default_factory=lambda: {k: Counter() for k in KINDS})
+    cut_s: list[float] = field(default_factory=list)  # non_reader: request sent to its cut seen
+
+    def add(self, kind: str, outcome: str) -> None:
+        self.outcomes[kind][outcome] += 1
+
+    def summary(self) -> dict:
+        cut = sorted(self.cut_s)
+        return {
+            "outcomes": {k: dict(v) for k, v in self.outcomes.items()},
+            "non_reader_seen_cut_by_s": round(cut[-1], 2) if cut else None,
+        }
+
+    def refused(self) -> int:
+        """Requests answered with a 4xx: each one the server must have counted as rejected."""
+        return sum(n for c in self.outcomes.values() for o, n in c.items() if o.startswith("4"))
+
+
+def runaway_schema(i: int) -> dict:
+    parts = [{"type": "string", "pattern": f".*a{j}s{i}.*"} for j in range(30)]
+    return {"type": "string", "allOf": parts}
+
+
+async def _schema(client: httpx.AsyncClient, model: str, i: int) -> str:
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 8,
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "x", "schema": runaway_schema(i)},
+        },
+    }
+    r = await client.post("/v1/chat/completions", json=body)
+    return str(r.status_code)
+
+
+async def _long_prompt(client: httpx.AsyncClient, model: str, i: int) -> str:
+    body = {"model": model, "prompt": "lorem ipsum " * (LONG_PROMPT_CHARS // 12), "max_tokens": 4}
+    r = await client.post("/v1/completions", json=body)
+    return str(r.status_code)
+
+
+async def _bad_json(client: httpx.AsyncClient, model: str, i: int) -> str:
+    raw = b'{"model": "x", "prompt": "a' if i % 2 else b"[" * 2000 + b"]" * 2000
+    r = await client.post(
+        "/v1/completions", content=raw, headers={"content-type": "application/json"}
+    )
+    return str(r.status_code)
+
+
+async def non_reader(
+    host: str, port: int, model: str, hold_s: float, max_tokens: int = 8000
+) -> tuple[str, float]:
+    """A stream whose client reads nothing for hold_s, then reads what is there: `cut` when the
+    server had ended it (a 200 stream whose last event is a slow_reader error, then the
+    connection closed), else `not_cut`, `closed_without_error` or the status it got."""
+    request = {"model": model, "prompt": "tell me a story", "max_tokens": max_tokens,
+               "ignore_eos": True, "stream": True}  # fmt: skip
+    body = json.dumps(request).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nhost: {host}\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\n\r\n"
+    ).encode()
+    loop = asyncio.get_running_loop()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, RCVBUF_BYTES)
+    sock.setblocking(False)
+    try:
+        await loop.sock_connect(sock, (host, port))
+        await loop.sock_sendall(sock, head + body)
+        sent = time.monotonic()
+        await asyncio.sleep(hold_s)
+        data = bytearray()
+        closed = False
+        deadline = time.monotonic() + 10.0
+        while time.monotonic() < deadline:  # drains what the server wrote before it cut
+            try:
+                chunk = await asyncio.wait_for(loop.sock_recv(sock, 1 << 16), 2.0)
+            except asyncio.TimeoutError:  # open, and nothing more came: still streaming
+                break
+            except ConnectionResetError:
+                closed = True
+                break
+            if not chunk:
+                closed = True
+                break
+            data += chunk
+        took = time.monotonic() - sent
+        status = bytes(data[:12]).split(b" ")[1].decode() if data.startswith(b"HTTP/") else "?"
+        if status != "200":
+            return status, took
+        if not closed:
+            return "not_cut", took
+        cut = b'"code":"slow_reader"' in data[-4096:]
+        return ("cut" if cut else "closed_without_error"), took
+    finally:
+        sock.close()
+
+
+async def hostile_worker(
+    url: str, model: str, until: float, tally: HostileTally, worker: int, hold_s: float
+) -> None:
+    """Sends hostile requests, one kind after another, until `until` (time.monotonic())."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    i = worker * 1_000_000
+    async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+        while time.monotonic() < until:
+            kind = KINDS[i % len(KINDS)]
+            i += 1
+            try:
+                if kind == "non_reader":
+                    outcome, took = await non_reader(host, int(port), model, hold_s)
+                    if outcome == "cut":
+                        tally.cut_s.append(took)
+                else:
+                    send = {"schema": _schema, "long_prompt": _long_prompt, "bad_json": _bad_json}
+                    outcome = await send[kind](client, model, i)
+            except (httpx.HTTPError, OSError) as e:
+                outcome = f"transport: {type(e).__name__}"
+            tally.add(kind, outcome)
