@@ -10,6 +10,8 @@ ENV PYTHONUNBUFFERED=1 \
 WORKDIR /opt/gapless
 
 COPY pyproject.toml README.md Makefile constraints.txt ./
+COPY common common
+COPY launch launch
 COPY core core
 COPY frontend frontend
 COPY detokenizer detokenizer
@@ -22,7 +24,7 @@ RUN python3 -m venv .venv \
     && .venv/bin/python -m pip install --no-cache-dir --quiet --upgrade pip \
     && .venv/bin/python -m pip install --no-cache-dir --quiet torch==2.13.0 \
     && .venv/bin/python -m pip install --no-cache-dir --quiet -c constraints.txt -e '.[test,bench]' \
-    && .venv/bin/python -m gapless.core.common.model_cache
+    && .venv/bin/python -m gapless.common.model_cache
 
 RUN useradd --system --uid 10001 --home-dir /opt/gapless gapless && chown -R 10001 /opt/gapless
 USER 10001

@@ -18,7 +18,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 setup: $(VENV)/.installed
 
 model: setup
-	@$(PY) -m gapless.core.common.model_cache >/dev/null
+	@$(PY) -m gapless.common.model_cache >/dev/null
 
 serve: model
 	$(VENV)/bin/gapless serve $(ARGS)

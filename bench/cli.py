@@ -265,7 +265,7 @@ def bench_targets(args: argparse.Namespace, targets: list[Target], tokenizer: st
     from gapless.bench.run import bench_target
     from gapless.bench.tenants import build_tenant_workload
     from gapless.bench.workloads import build_workload
-    from gapless.core.common.model_files import load_tokenizer, resolve_model
+    from gapless.common.model_files import load_tokenizer, resolve_model
 
     served = {t.name: served_model(t) for t in targets}
     limits = [s.max_model_len for s in served.values() if s.max_model_len]
@@ -324,3 +324,7 @@ def bench_targets(args: argparse.Namespace, targets: list[Target], tokenizer: st
         for path in plot_runs(runs, [steps_of[i] for i in range(len(runs))], Path(args.plot_dir)):
             print(f"bench: wrote {path}", file=sys.stderr)
     return 0 if all(r["completed"] for r in runs) else 1
+
+
+if __name__ == "__main__":
+    main()

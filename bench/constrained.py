@@ -15,14 +15,14 @@ from collections import deque
 
 import msgspec
 
-from gapless.core.common.config import EngineConfig
-from gapless.core.common.grammars import json_grammar
-from gapless.core.common.messages import AddRequest, SamplingParams, TokenBatch
-from gapless.core.common.model_cache import default_model_path
-from gapless.core.common.model_files import load_tokenizer, resolve_model
+from gapless.common.config import EngineConfig
+from gapless.common.grammars import json_grammar
+from gapless.common.messages import AddRequest, SamplingParams, TokenBatch
+from gapless.common.model_cache import default_model_path
+from gapless.common.model_files import load_tokenizer, resolve_model
 from gapless.core.engine import EngineCore
-from gapless.core.launch.cli import default_threads
 from gapless.gpu_runner.backend import make_backend
+from gapless.launch.cli import default_threads
 
 # a JSON answer that cannot end before a long string: the constrained stream runs to the budget
 LONG_ANSWER = {
@@ -86,8 +86,8 @@ def sample_stage_ms(config: EngineConfig, batch: int, steps: int) -> tuple[float
     import numpy as np
     import torch
 
-    from gapless.gpu_runner.grammar import GrammarRows
-    from gapless.gpu_runner.sampler import SamplerState
+    from gapless.gpu_runner.sampling.grammar import GrammarRows
+    from gapless.gpu_runner.sampling.sampler import SamplerState
 
     info = config.model
     vocab = info.vocab_size

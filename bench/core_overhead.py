@@ -32,10 +32,10 @@ from collections import deque
 import numpy as np
 from tqdm import tqdm
 
-from gapless.core.common.block_hash import chain_hashes, hash_root
-from gapless.core.common.config import EngineConfig
-from gapless.core.common.messages import AddRequest, SamplingParams, StepResult
-from gapless.core.common.model_files import resolve_model
+from gapless.common.block_hash import chain_hashes, hash_root
+from gapless.common.config import EngineConfig
+from gapless.common.messages import AddRequest, SamplingParams, StepResult
+from gapless.common.model_files import resolve_model
 from gapless.core.engine import EngineCore
 from gapless.gpu_runner.backend import make_backend
 

@@ -67,7 +67,7 @@ def _bench(url: str, name: str, workload: str, n: int, out: Path, seed: int | No
     tail = "" if seed is None else f"-seed{seed}"
     path = out / f"{name}-{workload.replace(':', 'x')}-n{n}{tail}.json"
     seeded = [] if seed is None else ["--seed", str(seed)]
-    _python("core.launch.cli", "bench", "--target", f"{name}={url}", "--workload", workload,
+    _python("launch.cli", "bench", "--target", f"{name}={url}", "--workload", workload,
             "--num-requests", str(n), "--no-progress", "--output-json", str(path),
             *seeded)  # fmt: skip
     return json.loads(path.read_text())
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> None:
                    help="parts not to run: http is every server run (figures 1, 2 and 4)")  # fmt: skip
     p.add_argument("--out", type=Path, default=Path("bench/results/cpu-compare"))
     args = p.parse_args(ours)
-    from gapless.core.common.model_cache import default_model_path
+    from gapless.common.model_cache import default_model_path
     from gapless.gpu_runner.runner import resolve_dtype, resolve_quantization
 
     gguf = default_model_path()

@@ -21,9 +21,9 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from gapless.core.common.config import EngineConfig
-from gapless.core.common.messages import NewSlot, SamplingParams, StepPlan
-from gapless.gpu_runner.threads import set_wait_policy
+from gapless.common.config import EngineConfig
+from gapless.common.messages import NewSlot, SamplingParams, StepPlan
+from gapless.gpu_runner.cpu.threads import set_wait_policy
 
 HOG = "while True: pass"
 
@@ -32,7 +32,7 @@ def runner_config(serve_args: list[str], batch: int, prompt: int) -> EngineConfi
     """The config `gapless serve ARGS` would build, with room for the streams' prompts."""
     import msgspec
 
-    from gapless.core.launch.cli import add_serve_args, config_from_args
+    from gapless.launch.cli import add_serve_args, config_from_args
 
     parser = argparse.ArgumentParser(prog="gapless serve")
     add_serve_args(parser)

@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import zmq
 
-from gapless.core.common.channel import Receiver, Sender
-from gapless.core.common.config import EngineConfig
-from gapless.core.common.messages import (
+from gapless.common.channel import Receiver, Sender
+from gapless.common.config import EngineConfig
+from gapless.common.messages import (
     Abort,
     AddRequest,
     CoreInput,
@@ -30,7 +30,7 @@ from gapless.core.common.messages import (
     TextDelta,
     TextDeltas,
 )
-from gapless.core.common.process import CORE_IN, ControlReporter, child_setup, frontend_socket
+from gapless.common.process import CORE_IN, ControlReporter, child_setup, frontend_socket
 
 IDLE_POLL_MS = 100
 

@@ -19,7 +19,7 @@ import statistics
 import time
 from typing import TYPE_CHECKING
 
-from gapless.gpu_runner.threads import set_wait_policy
+from gapless.gpu_runner.cpu.threads import set_wait_policy
 
 if TYPE_CHECKING:
     import torch
@@ -46,7 +46,7 @@ def linear_layers(model: nn.Module) -> list[nn.Module]:
     """The model's matmul modules in the order a step runs them."""
     from torch import nn
 
-    from gapless.gpu_runner.quant import DualLinear, Int4Linear, Int8Linear, W8A8Linear
+    from gapless.gpu_runner.cpu.quant import DualLinear, Int4Linear, Int8Linear, W8A8Linear
 
     kinds = (nn.Linear, Int8Linear, Int4Linear, W8A8Linear, DualLinear)
     inner = {id(m.one_row) for m in model.modules() if isinstance(m, W8A8Linear)}
@@ -56,7 +56,7 @@ def linear_layers(model: nn.Module) -> list[nn.Module]:
 
 
 def in_features(module: nn.Module) -> int:
-    from gapless.gpu_runner.quant import DualLinear, Int4Linear, W8A8Linear
+    from gapless.gpu_runner.cpu.quant import DualLinear, Int4Linear, W8A8Linear
 
     if isinstance(module, DualLinear):
         return in_features(module.dense)
@@ -70,7 +70,7 @@ def in_features(module: nn.Module) -> int:
 def weight_bytes(module: nn.Module) -> int:
     """Bytes a matmul module holds: weights, scales and offsets (w8a8: fbgemm's packed copy
     and the one-row layer's, of which a step reads one)."""
-    from gapless.gpu_runner.quant import W8A8Linear
+    from gapless.gpu_runner.cpu.quant import W8A8Linear
 
     tensors = [*module.parameters(), *module.buffers()]
     if isinstance(module, W8A8Linear):
@@ -83,8 +83,8 @@ def build(arch, fmt: str) -> nn.Module:
     """The model with random weights in the format's layers (speed does not read the values)."""
     import torch
 
+    from gapless.gpu_runner.cpu.quant import quantize_model
     from gapless.gpu_runner.model import CausalLM
-    from gapless.gpu_runner.quant import quantize_model
 
     dtype, quant = FORMATS[fmt]
     torch.manual_seed(0)
@@ -101,7 +101,7 @@ def floor_step(model: nn.Module, batch: int, dtype: torch.dtype, repeats: int = 
     layers = linear_layers(model)
     inputs = {n: torch.randn(batch, n, dtype=dtype) for n in {in_features(m) for m in layers}}
 
-    from gapless.gpu_runner.quant import W8A8Linear
+    from gapless.gpu_runner.cpu.quant import W8A8Linear
 
     def kernel(m: nn.Module):
         if isinstance(m, W8A8Linear) and batch > 1:  # the row scaling fuses, compiled
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> None:
     set_wait_policy(args.cpu_wait)  # as the runner does, before torch loads
     import torch
 
-    from gapless.core.common.model_files import load_arch, resolve_model
+    from gapless.common.model_files import load_arch, resolve_model
 
     torch.set_num_threads(args.threads)
     arch = load_arch(resolve_model(args.model))

@@ -12,8 +12,8 @@ import json
 import statistics
 import time
 
-from gapless.core.common.model_cache import default_model_path
-from gapless.core.common.model_files import load_tokenizer, resolve_model
+from gapless.common.model_cache import default_model_path
+from gapless.common.model_files import load_tokenizer, resolve_model
 
 SCHEMA = {
     "type": "object",

@@ -9,7 +9,7 @@ import time
 import torch
 import transformers
 
-from gapless.core.common.model_cache import default_model_path
+from gapless.common.model_cache import default_model_path
 
 
 def main() -> None:

@@ -74,7 +74,7 @@ def sweep(args: argparse.Namespace, serve_args: list[str]) -> list[Point]:
     from gapless.bench.run import bench_target
     from gapless.bench.targets import Target, served_model
     from gapless.bench.workloads import build_workload
-    from gapless.core.common.model_files import load_tokenizer, resolve_model
+    from gapless.common.model_files import load_tokenizer, resolve_model
 
     info = resolve_model(args.model)
     maker = PromptMaker(load_tokenizer(info), info.add_bos_token)

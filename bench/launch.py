@@ -28,7 +28,7 @@ def serve_command(port: int, serve_args: Sequence[str]) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "gapless.core.launch.cli",
+        "gapless.launch.cli",
         "serve",
         "--port",
         str(port),

@@ -30,7 +30,7 @@ TEXT = Path(__file__).parent / "data" / "perplexity.txt"
 
 
 def text_ids(runner, path: Path = TEXT) -> list[int]:
-    from gapless.core.common.model_files import load_tokenizer
+    from gapless.common.model_files import load_tokenizer
 
     return load_tokenizer(runner.config.model).encode(path.read_text()).ids
 

@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     warmup = args.warmup if args.warmup is not None else max(30.0, args.duration / 10)
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    serve = [sys.executable, "-m", "gapless.core.launch.cli", "serve", "--port", str(port),
+    serve = [sys.executable, "-m", "gapless.launch.cli", "serve", "--port", str(port),
              "--device", "sim", "--served-model-name", "soak", "--max-num-seqs",
              str(args.max_num_seqs), "--log-level", "warning", "--stream-write-timeout",
              str(args.write_timeout), *args.serve_args]  # fmt: skip

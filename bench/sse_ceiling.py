@@ -33,14 +33,14 @@ import uvloop
 
 from gapless.bench.host_floor import positive_ints
 from gapless.bench.launch import free_port
-from gapless.core.common.channel import Sender
-from gapless.core.common.config import CONFIG_ENV, EngineConfig, encode_config
-from gapless.core.common.messages import Shutdown
-from gapless.core.common.metrics import MULTIPROC_ENV
-from gapless.core.common.model_cache import default_model_path
-from gapless.core.common.model_files import resolve_model
-from gapless.core.common.process import CORE_IN
-from gapless.core.launch.supervisor import Supervisor, make_run_dir
+from gapless.common.channel import Sender
+from gapless.common.config import CONFIG_ENV, EngineConfig, encode_config
+from gapless.common.messages import Shutdown
+from gapless.common.metrics import MULTIPROC_ENV
+from gapless.common.model_cache import default_model_path
+from gapless.common.model_files import resolve_model
+from gapless.common.process import CORE_IN
+from gapless.launch.supervisor import Supervisor, make_run_dir
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 

@@ -14,10 +14,10 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from gapless.core.common.bad_messages import BadMessages
-from gapless.core.common.checks import request_problem
-from gapless.core.common.config import EngineConfig
-from gapless.core.common.messages import (
+from gapless.common.bad_messages import BadMessages
+from gapless.common.checks import request_problem
+from gapless.common.config import EngineConfig
+from gapless.common.messages import (
     QUEUE_STATE_INTERVAL_S,
     Abort,
     AddRequest,
@@ -159,7 +159,7 @@ class EngineCore:
 
     def add_request(self, msg: AddRequest) -> None:
         """Queue a request, or end it with an error if it could never run or breaks the
-        AddRequest contract (core/common/checks.py). One no frontend could be told of (an unknown
+        AddRequest contract (common/checks.py). One no frontend could be told of (an unknown
         frontend id, an id that is live already) is dropped."""
         rid = msg.request_id
         if not self._known(msg.frontend_id):

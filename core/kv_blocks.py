@@ -1,7 +1,7 @@
 """Paged KV block accounting with prefix caching, and runner slot accounting (pure CPU
 bookkeeping).
 
-Prefix caching. A full block is named by a chained hash (core/common/block_hash.py):
+Prefix caching. A full block is named by a chained hash (common/block_hash.py):
 sha256(parent's hash + its token ids as int32), the first block's parent being a root made of
 the model and the request's `cache_salt`, so requests that must not share never meet.
 `BlockManager` maps hashes to the blocks holding that KV, counts references, keeps blocks
@@ -44,7 +44,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from itertools import islice
 
-from gapless.core.common.block_hash import chain_hashes, hash_root
+from gapless.common.block_hash import chain_hashes, hash_root
 
 __all__ = ["BlockManager", "SlotManager", "chain_hashes", "hash_root"]
 

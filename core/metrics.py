@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from gapless.core.common.metrics import FINISH_REASONS, REQUEST_BUCKETS, stage_histogram
+from gapless.common.metrics import FINISH_REASONS, REQUEST_BUCKETS, stage_histogram
 
 if TYPE_CHECKING:
-    from gapless.core.common.messages import StepTiming
+    from gapless.common.messages import StepTiming
     from gapless.core.request import Request
     from gapless.core.scheduler import ScheduledStep, Scheduler
     from gapless.core.timeline import DeviceTimeline

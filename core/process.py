@@ -7,9 +7,9 @@ import time
 
 import zmq
 
-from gapless.core.common.channel import Receiver, Sender
-from gapless.core.common.config import EngineConfig
-from gapless.core.common.messages import (
+from gapless.common.channel import Receiver, Sender
+from gapless.common.config import EngineConfig
+from gapless.common.messages import (
     HEARTBEAT_INTERVAL_S,
     CoreInput,
     DetokInput,
@@ -22,7 +22,7 @@ from gapless.core.common.messages import (
     StepRefused,
     StepResult,
 )
-from gapless.core.common.process import (
+from gapless.common.process import (
     CORE_IN,
     DETOK_IN,
     RUNNER_IN,

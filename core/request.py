@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from gapless.core.common.messages import AddRequest, PromptLogprobs, SamplingParams
+from gapless.common.messages import AddRequest, PromptLogprobs, SamplingParams
 
 if TYPE_CHECKING:
     from gapless.core.running import RunningBatch

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from gapless.core.common.messages import (
+from gapless.common.messages import (
     AddRequest,
     NewSlot,
     PromptLogprobs,

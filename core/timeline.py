@@ -7,8 +7,8 @@ from collections import deque
 
 import msgspec
 
-from gapless.core.common.config import EngineConfig
-from gapless.core.common.messages import KEEP_STEPS, StepRecord, StepResult, TimelineSummary
+from gapless.common.config import EngineConfig
+from gapless.common.messages import KEEP_STEPS, StepRecord, StepResult, TimelineSummary
 
 # Chrome-trace rows (tid) of one engine
 _ROWS = {1: "device", 2: "device idle (work waiting)", 3: "runner: prepare", 4: "core: schedule",

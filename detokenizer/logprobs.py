@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from tokenizers import Tokenizer
 
-from gapless.core.common.messages import SampleLogprobs, TokenLogprob, TopLogprob
+from gapless.common.messages import SampleLogprobs, TokenLogprob, TopLogprob
 
 _METASPACE = "\u2581"  # sentencepiece's word-start mark
 

@@ -7,10 +7,10 @@ import time
 import zmq
 from tokenizers import Tokenizer
 
-from gapless.core.common import model_files
-from gapless.core.common.channel import Receiver, Sender
-from gapless.core.common.config import EngineConfig, ModelInfo
-from gapless.core.common.messages import (
+from gapless.common import model_files
+from gapless.common.channel import Receiver, Sender
+from gapless.common.config import EngineConfig, ModelInfo
+from gapless.common.messages import (
     CoreInput,
     DetokInput,
     DetokNew,
@@ -20,8 +20,8 @@ from gapless.core.common.messages import (
     TextDeltas,
     TokenBatch,
 )
-from gapless.core.common.metrics import DetokenizerMetrics
-from gapless.core.common.process import (
+from gapless.common.metrics import DetokenizerMetrics
+from gapless.common.process import (
     CORE_IN,
     DETOK_IN,
     ControlReporter,

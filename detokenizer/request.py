@@ -7,7 +7,7 @@ from codecs import utf_8_decode
 from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
-from gapless.core.common.messages import DetokNew, TextDelta, TokenLogprob
+from gapless.common.messages import DetokNew, TextDelta, TokenLogprob
 from gapless.detokenizer.stop import StopMatcher
 from gapless.detokenizer.token_table import TokenTable
 

@@ -7,8 +7,8 @@ from typing import get_args
 
 from tokenizers import Tokenizer
 
-from gapless.core.common.bad_messages import BadMessages
-from gapless.core.common.messages import DetokNew, EndReason, TextDelta, TokenBatch
+from gapless.common.bad_messages import BadMessages
+from gapless.common.messages import DetokNew, EndReason, TextDelta, TokenBatch
 from gapless.detokenizer.logprobs import LogprobText
 from gapless.detokenizer.request import RequestDetokenizer
 from gapless.detokenizer.token_table import TokenTable
@@ -39,7 +39,7 @@ class DetokenizerState:
     belong to no live request and are skipped; each token's logprobs travel beside it, so
     skipping shifts nothing.
 
-    What the core sends is checked here first (core/common/bad_messages.py): a DetokNew for a
+    What the core sends is checked here first (common/bad_messages.py): a DetokNew for a
     frontend that does not exist or with ids outside the vocabulary, a TokenBatch whose lists
     do not line up, an end reason the core never sends; each is counted, and the requests it
     names end with an error (the core is told through `Outbox.failed`).

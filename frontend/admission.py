@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import time
 
-from gapless.core.common.config import EngineConfig
+from gapless.common.config import EngineConfig
 from gapless.frontend import metrics
 from gapless.frontend.engine_client import EngineClient
 from gapless.frontend.errors import UNAVAILABLE_RETRY_AFTER_S, ApiError, engine_unavailable

@@ -12,8 +12,8 @@ from urllib.parse import parse_qs, unquote
 import msgspec
 from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4
 
-from gapless.core.common import metrics as core_metrics
-from gapless.core.common.messages import HEARTBEAT_TIMEOUT_S, KEEP_STEPS
+from gapless.common import metrics as core_metrics
+from gapless.common.messages import HEARTBEAT_TIMEOUT_S, KEEP_STEPS
 from gapless.frontend import metrics
 from gapless.frontend.asgi import (
     CHUNK_WRITER,

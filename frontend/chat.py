@@ -7,8 +7,8 @@ import uuid
 
 import msgspec
 
-from gapless.core.common.config import EngineConfig
-from gapless.core.common.messages import TextDelta
+from gapless.common.config import EngineConfig
+from gapless.common.messages import TextDelta
 from gapless.frontend.asgi import HttpRequest, Responder, encoder
 from gapless.frontend.errors import bad_request, decode_body
 from gapless.frontend.generation import ChoiceResult, Job, respond

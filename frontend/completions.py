@@ -7,7 +7,7 @@ import uuid
 
 import msgspec
 
-from gapless.core.common.messages import TextDelta
+from gapless.common.messages import TextDelta
 from gapless.frontend.asgi import HttpRequest, Responder, encoder
 from gapless.frontend.errors import decode_body
 from gapless.frontend.generation import ChoiceResult, Job, respond

@@ -15,9 +15,9 @@ from collections.abc import AsyncIterator, Callable
 import zmq
 import zmq.asyncio
 
-from gapless.core.common.channel import AsyncReceiver, Sender
-from gapless.core.common.config import EngineConfig
-from gapless.core.common.messages import (
+from gapless.common.channel import AsyncReceiver, Sender
+from gapless.common.config import EngineConfig
+from gapless.common.messages import (
     Abort,
     AddRequest,
     CoreInput,
@@ -33,7 +33,7 @@ from gapless.core.common.messages import (
     TextDeltas,
     Timeline,
 )
-from gapless.core.common.process import CORE_IN, frontend_socket
+from gapless.common.process import CORE_IN, frontend_socket
 from gapless.frontend.inbox import IDLE as _IDLE
 from gapless.frontend.inbox import Inbox
 from gapless.frontend.queue_view import QueueView, Ticket

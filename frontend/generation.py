@@ -12,9 +12,9 @@ from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from gapless.core.common.block_hash import chain_hashes, hash_root
-from gapless.core.common.config import EngineConfig
-from gapless.core.common.messages import SamplingParams, TextDelta, TokenLogprob
+from gapless.common.block_hash import chain_hashes, hash_root
+from gapless.common.config import EngineConfig
+from gapless.common.messages import SamplingParams, TextDelta, TokenLogprob
 from gapless.frontend import metrics
 from gapless.frontend.admission import Admission
 from gapless.frontend.asgi import (

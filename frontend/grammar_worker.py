@@ -95,7 +95,7 @@ def _cap_memory(extra: int) -> None:
 
 
 def main() -> None:
-    from gapless.core.common.grammars import check_grammar, make_tokenizer
+    from gapless.common.grammars import check_grammar, make_tokenizer
 
     _die_with(int(sys.argv[1]))
     replies = os.dup(1)

@@ -3,7 +3,7 @@ observer; a served frontend installs PrometheusObserver."""
 
 from __future__ import annotations
 
-from gapless.core.common.metrics import BatchedHistogram, FrontendMetrics
+from gapless.common.metrics import BatchedHistogram, FrontendMetrics
 
 
 class RequestObserver:

@@ -15,14 +15,14 @@ from typing import Any
 
 import msgspec
 
-from gapless.core.common.config import (
+from gapless.common.config import (
     MAX_PRIORITY,
     MAX_TENANT_CHARS,
     MIN_PRIORITY,
     PRIORITY_NAMES,
     EngineConfig,
 )
-from gapless.core.common.messages import KEEP_STEPS
+from gapless.common.messages import KEEP_STEPS
 from gapless.frontend.errors import ErrorResponse
 from gapless.frontend.params import MAX_CACHE_SALT_CHARS, MAX_LOGIT_BIAS
 from gapless.frontend.protocol import ChatCompletionRequest, CompletionRequest

@@ -7,8 +7,8 @@ import re
 
 import msgspec
 
-from gapless.core.common.config import EngineConfig
-from gapless.core.common.messages import SamplingParams
+from gapless.common.config import EngineConfig
+from gapless.common.messages import SamplingParams
 from gapless.frontend.errors import ApiError, bad_request
 from gapless.frontend.protocol import SamplingFields
 

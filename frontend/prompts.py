@@ -17,7 +17,7 @@ from typing import Any
 
 import tokenizers
 
-from gapless.core.common.config import EngineConfig
+from gapless.common.config import EngineConfig
 from gapless.frontend import metrics
 from gapless.frontend.chat_template import ChatTemplate
 from gapless.frontend.errors import bad_request

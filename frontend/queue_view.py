@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 
-from gapless.core.common.messages import QueueState
+from gapless.common.messages import QueueState
 
 RATE_WINDOW_S = 10  # the start rate is over this many 1 s buckets, like the core's drain_per_s
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from gapless.core.common.messages import TokenLogprob
+from gapless.common.messages import TokenLogprob
 
 
 class PromptTokensDetails(msgspec.Struct):

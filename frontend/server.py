@@ -18,8 +18,8 @@ import uvicorn
 import uvloop
 import zmq
 
-from gapless.core.common.config import EngineConfig
-from gapless.core.common.process import ControlReporter, parent_gone, stop_requested
+from gapless.common.config import EngineConfig
+from gapless.common.process import ControlReporter, parent_gone, stop_requested
 from gapless.frontend import metrics
 from gapless.frontend.admission import Admission
 from gapless.frontend.app import App
@@ -167,7 +167,7 @@ async def serve(
             # event; uvicorn's cancel, past this, would end them with nothing
             timeout_graceful_shutdown=config.drain_timeout_s + CUT_GRACE_S,  # type: ignore[arg-type]
             log_level="warning",
-            log_config=None,  # why: core.common.logs set logging up for the whole process
+            log_config=None,  # why: common.logs set logging up for the whole process
         ),
         app.state.admission,
         engine,
@@ -208,7 +208,7 @@ def run_frontend(config: EngineConfig, frontend_id: int) -> None:
     (config.host, config.port), shared by every frontend through SO_REUSEPORT. Reports READY
     once listening; on SIGTERM stops accepting and drains in-flight requests for up to
     config.drain_timeout_s; FATAL if it cannot start."""
-    from gapless.core.common.model_files import load_tokenizer
+    from gapless.common.model_files import load_tokenizer
 
     ctx = zmq.Context()
     reporter = ControlReporter(ctx, config, f"frontend{frontend_id}")

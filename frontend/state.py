@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gapless.core.common.config import EngineConfig
+from gapless.common.config import EngineConfig
 from gapless.frontend.admission import Admission
 from gapless.frontend.engine_client import EngineClient
 from gapless.frontend.prompts import Prompter

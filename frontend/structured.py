@@ -16,8 +16,8 @@ from typing import Any
 
 import tokenizers
 
-from gapless.core.common.config import EngineConfig
-from gapless.core.common.grammars import json_grammar
+from gapless.common.config import EngineConfig
+from gapless.common.grammars import json_grammar
 from gapless.frontend.admission import too_many
 from gapless.frontend.errors import ApiError, bad_request
 from gapless.frontend.grammar_pool import Busy, GrammarPool, Unavailable

@@ -11,8 +11,8 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, replace
 
-from gapless.core.common.block_hash import cache_scope
-from gapless.core.common.config import EngineConfig, TenantSpec, check_tenant_name, priority_value
+from gapless.common.block_hash import cache_scope
+from gapless.common.config import EngineConfig, TenantSpec, check_tenant_name, priority_value
 from gapless.frontend.errors import ApiError, bad_request
 
 _NO_SETTINGS = TenantSpec()

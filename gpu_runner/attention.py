@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from gapless.gpu_runner import kernels
+from gapless.gpu_runner.cpu import kernels
 
 # why: a compiled step specializes a dimension of size 1, so decode contexts span at least two
 # pages (the second masked off) and one compilation covers every context length
@@ -104,7 +104,7 @@ class AttnMetadata:
     scale: float
     block_size: int
     all_decode: bool = False  # every row is a decode, in order: no gather or scatter of q
-    kernel: bool = False  # decodes take gpu_runner/kernels.py's paged kernel
+    kernel: bool = False  # decodes take gpu_runner/cpu/kernels.py's paged kernel
     # decode_mask(window) by window, made once per step on the eager path
     _masks: dict[int, torch.Tensor] | None = None
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from gapless.core.common.messages import StepPlan, StepResult
+from gapless.common.messages import StepPlan, StepResult
 
 
 class Backend(Protocol):
@@ -31,11 +31,11 @@ def make_backend(config) -> Backend:
 
         return ModelRunner(config)
     if config.device == "sim":
-        from gapless.gpu_runner.sim import SimBackend
+        from gapless.gpu_runner.sim.backend import SimBackend
 
         return SimBackend(config)
     if config.device == "cuda":
-        from gapless.gpu_runner.cuda import CudaBackend
+        from gapless.gpu_runner.cuda.backend import CudaBackend
 
         return CudaBackend(config)
     raise ValueError(f"unknown device {config.device!r}")

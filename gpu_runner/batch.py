@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from gapless.core.common.messages import StepPlan
+from gapless.common.messages import StepPlan
 from gapless.gpu_runner.attention import StepLayout
 from gapless.gpu_runner.graph import padded_size
 

@@ -1,5 +1,5 @@
 """The runner's boundary: a StepPlan its batch could not run is refused before it changes
-anything (core/common/bad_messages.py): a StepRefused takes its result's place in line, and the
+anything (common/bad_messages.py): a StepRefused takes its result's place in line, and the
 core ends that step's requests with an error.
 
 Plans come strictly in sequence; a plan frees only slots in use and adds only slots that are
@@ -16,10 +16,10 @@ import logging
 
 import numpy as np
 
-from gapless.core.common.bad_messages import BadMessages
-from gapless.core.common.checks import params_problem
-from gapless.core.common.config import EngineConfig
-from gapless.core.common.messages import StepPlan
+from gapless.common.bad_messages import BadMessages
+from gapless.common.checks import params_problem
+from gapless.common.config import EngineConfig
+from gapless.common.messages import StepPlan
 from gapless.gpu_runner.batch import PersistentBatch
 
 log = logging.getLogger("gapless.gpu_runner")

@@ -8,18 +8,18 @@ from collections import deque
 
 import zmq
 
-from gapless.core.common.channel import Receiver, Sender
-from gapless.core.common.config import EngineConfig
-from gapless.core.common.messages import (
+from gapless.common.channel import Receiver, Sender
+from gapless.common.config import EngineConfig
+from gapless.common.messages import (
     RunnerInput,
     RunnerOutput,
     RunnerReady,
     Shutdown,
     StepRefused,
 )
-from gapless.core.common.process import RUNNER_IN, RUNNER_OUT, ControlReporter, stop_requested
+from gapless.common.process import RUNNER_IN, RUNNER_OUT, ControlReporter, stop_requested
+from gapless.gpu_runner.cpu.threads import set_wait_policy
 from gapless.gpu_runner.plan_check import PlanCheck
-from gapless.gpu_runner.threads import set_wait_policy
 
 IDLE_POLL_S = 0.1
 

@@ -1,6 +1,6 @@
 """Executes step plans: model, paged KV cache, persistent batch, graph layer, sampler.
 
-ModelRunner is the cpu device's backend; CudaBackend (gpu_runner/cuda.py) builds on it and
+ModelRunner is the cpu device's backend; CudaBackend (gpu_runner/cuda/backend.py) builds on it and
 changes only the attention backend, the graph capture and how results come back to the host.
 """
 
@@ -14,16 +14,15 @@ from functools import partial
 import numpy as np
 import torch
 
-from gapless.core.common.config import CPU_KV_CACHE_MEMORY, EngineConfig, max_useful_blocks
-from gapless.core.common.messages import (
+from gapless.common.config import CPU_KV_CACHE_MEMORY, EngineConfig, max_useful_blocks
+from gapless.common.messages import (
     PromptLogprobs,
     SampleLogprobs,
     StepPlan,
     StepResult,
     StepTiming,
 )
-from gapless.core.common.model_files import ModelArch, load_arch, load_tokenizer
-from gapless.gpu_runner import compiled, kernels
+from gapless.common.model_files import ModelArch, load_arch, load_tokenizer
 from gapless.gpu_runner.attention import AttentionMeta, StepLayout, TorchAttention
 from gapless.gpu_runner.batch import (
     FED_IDS,
@@ -39,14 +38,15 @@ from gapless.gpu_runner.batch import (
     PersistentBatch,
     StepInputs,
 )
-from gapless.gpu_runner.grammar import GrammarRows
+from gapless.gpu_runner.cpu import compiled, kernels
+from gapless.gpu_runner.cpu.quant import SMALL_ROWS, holds_q4_1, quantize_model
+from gapless.gpu_runner.cpu.threads import BusyCores
 from gapless.gpu_runner.graph import DecodeGraphs, capture_sizes
-from gapless.gpu_runner.logprobs import row_logprobs
 from gapless.gpu_runner.model import CausalLM
-from gapless.gpu_runner.quant import SMALL_ROWS, holds_q4_1, quantize_model
-from gapless.gpu_runner.sampler import SampleOutput, SamplerState
-from gapless.gpu_runner.threads import BusyCores
-from gapless.gpu_runner.weights import load_weights
+from gapless.gpu_runner.model.weights import load_weights
+from gapless.gpu_runner.sampling.grammar import GrammarRows
+from gapless.gpu_runner.sampling.logprobs import row_logprobs
+from gapless.gpu_runner.sampling.sampler import SampleOutput, SamplerState
 
 log = logging.getLogger("gapless.gpu_runner")
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}

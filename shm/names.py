@@ -1,7 +1,7 @@
 """Segment names, `gapless-<run_id>-<channel>-<pid>-<n>` in /dev/shm, and their cleanup.
 
 run_id is the run directory's name without its `gapless-` prefix (`<supervisor pid>-<random>`,
-see core/launch.py's make_run_dir), so the supervisor finds every segment of its run, and a
+see launch.py's make_run_dir), so the supervisor finds every segment of its run, and a
 later start finds those of runs whose supervisor is dead.
 """
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from gapless.core.common.model_cache import default_model_path
+from gapless.common.model_cache import default_model_path
 
 
 @pytest.fixture(scope="session")
@@ -16,8 +16,8 @@ def default_gguf() -> Path:
 
 def sim_config(model_path, **overrides):
     """An EngineConfig for the sim device on the default model's tokenizer and context."""
-    from gapless.core.common.config import EngineConfig
-    from gapless.core.common.model_files import resolve_model
+    from gapless.common.config import EngineConfig
+    from gapless.common.model_files import resolve_model
 
     fields = dict(served_model_name="sim", device="sim", max_num_seqs=8, block_size=16)
     return EngineConfig(model=resolve_model(str(model_path)), **{**fields, **overrides})
@@ -37,7 +37,7 @@ def build_tiny_llama(out: Path, default_gguf: Path, **shape) -> Path:
     import torch
     import transformers
 
-    from gapless.core.common.model_files import load_tokenizer, resolve_model
+    from gapless.common.model_files import load_tokenizer, resolve_model
 
     info = resolve_model(str(default_gguf))
     torch.manual_seed(1234)

@@ -9,8 +9,8 @@ from collections import deque
 
 import msgspec
 
-from gapless.core.common.config import EngineConfig
-from gapless.core.common.messages import (
+from gapless.common.config import EngineConfig
+from gapless.common.messages import (
     Abort,
     AddRequest,
     DetokNew,
@@ -19,7 +19,7 @@ from gapless.core.common.messages import (
     TextDelta,
     TokenBatch,
 )
-from gapless.core.common.model_files import load_tokenizer, resolve_model
+from gapless.common.model_files import load_tokenizer, resolve_model
 from gapless.core.engine import EngineCore
 from gapless.core.metrics import CoreMetrics
 from gapless.core.scheduler import Scheduler

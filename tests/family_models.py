@@ -21,35 +21,63 @@ FAMILIES: dict[str, tuple[str, dict]] = {
     "qwen3": ("Qwen3Config", dict(num_hidden_layers=2, attention_bias=True)),
     "gemma2": (
         "Gemma2Config",
-        dict(num_hidden_layers=3, sliding_window=WINDOW, query_pre_attn_scalar=24,
-             attn_logit_softcapping=4.0, final_logit_softcapping=15.0),
+        dict(
+            num_hidden_layers=3,
+            sliding_window=WINDOW,
+            query_pre_attn_scalar=24,
+            attn_logit_softcapping=4.0,
+            final_logit_softcapping=15.0,
+        ),
     ),  # fmt: skip
     "gemma3": (
         "Gemma3TextConfig",
-        dict(num_hidden_layers=3, sliding_window=WINDOW, query_pre_attn_scalar=24,
-             layer_types=["sliding_attention", "sliding_attention", "full_attention"],
-             rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
-                                                 "rope_theta": 1_000_000.0},
-                              "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}},
-             final_logit_softcapping=20.0),
+        dict(
+            num_hidden_layers=3,
+            sliding_window=WINDOW,
+            query_pre_attn_scalar=24,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1_000_000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            },
+            final_logit_softcapping=20.0,
+        ),
     ),  # fmt: skip
     "phi3": (
         "Phi3Config",
         # LongRoPE with an original context of 64: generation crosses it; 3/4 of a head rotates
-        dict(num_hidden_layers=2, original_max_position_embeddings=64, partial_rotary_factor=0.75,
-             rope_scaling={"type": "longrope", "short_factor": [1.0 + 0.05 * i for i in range(6)],
-                           "long_factor": [1.5 + 0.25 * i for i in range(6)]}),
+        dict(
+            num_hidden_layers=2,
+            original_max_position_embeddings=64,
+            partial_rotary_factor=0.75,
+            rope_scaling={
+                "type": "longrope",
+                "short_factor": [1.0 + 0.05 * i for i in range(6)],
+                "long_factor": [1.5 + 0.25 * i for i in range(6)],
+            },
+        ),
     ),  # fmt: skip
     "mixtral": ("MixtralConfig", dict(num_hidden_layers=2, num_local_experts=8, **EXPERTS)),
     "qwen2_moe": (
         "Qwen2MoeConfig",
-        dict(num_hidden_layers=3, num_experts=8, moe_intermediate_size=48,
-             shared_expert_intermediate_size=64, mlp_only_layers=[1], **EXPERTS),
+        dict(
+            num_hidden_layers=3,
+            num_experts=8,
+            moe_intermediate_size=48,
+            shared_expert_intermediate_size=64,
+            mlp_only_layers=[1],
+            **EXPERTS,
+        ),
     ),  # fmt: skip
     "qwen3_moe": (
         "Qwen3MoeConfig",
-        dict(num_hidden_layers=2, num_experts=8, moe_intermediate_size=48, norm_topk_prob=True,
-             **EXPERTS),
+        dict(
+            num_hidden_layers=2,
+            num_experts=8,
+            moe_intermediate_size=48,
+            norm_topk_prob=True,
+            **EXPERTS,
+        ),
     ),  # fmt: skip
 }
 

@@ -34,7 +34,7 @@ class Server:
             [
                 sys.executable,
                 "-m",
-                "gapless.core.launch.cli",
+                "gapless.launch.cli",
                 "serve",
                 "--port",
                 str(self.port),

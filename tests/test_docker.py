@@ -29,7 +29,7 @@ def _steps(commands: list[str]) -> list[list[str]]:
         if args[:1] == ["pip"]:
             args = [a for a in args if a not in ("--quiet", "--no-cache-dir")]
         args = [a for a in args if a not in (">/dev/null",)]
-        if args[:1] in (["pip"], ["gapless.core.common.model_cache"]):
+        if args[:1] in (["pip"], ["gapless.common.model_cache"]):
             out.append(args)
     return out
 

@@ -1,21 +1,30 @@
-"""The installed layout: one `gapless` namespace, no bare top-level names, and shared modules
-that import no role's module."""
+"""The installed layout and its layering.
+
+Folders are the architecture: `common/` (what every process shares: messages, config, channels,
+metrics, model files) and `shm/` at the bottom; the four process roles (`frontend/`, `core/`,
+`detokenizer/`, `gpu_runner/`) above them; `launch/` (the CLI and supervisor, which starts every
+role) and `bench/` (which drives a server from outside) on top. Every module installs under the
+one `gapless` namespace, and nothing bare lands in site-packages.
+"""
 
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("core", "frontend", "detokenizer", "gpu_runner", "shm", "bench")
-# what a shared module may import from the project: other shared modules and the shm rings
-SHARED = ("gapless.core.common", "gapless.shm")
+SHARED = ("common", "shm")
+ROLES = ("frontend", "core", "detokenizer", "gpu_runner")
+TOP = ("launch", "bench")
+PACKAGES = (*SHARED, *ROLES, *TOP)
 
 OUTSIDE = """
 import importlib.util, sys
-import gapless.core.scheduler, gapless.core.launch.cli, gapless.bench.cli, gapless.shm
+import gapless.core.scheduler, gapless.launch.cli, gapless.bench.cli, gapless.shm, gapless.common
+import gapless.gpu_runner.cpu.kernels, gapless.gpu_runner.sim.backend
 assert gapless.core.scheduler.Scheduler
 bare = [n for n in %r if importlib.util.find_spec(n) is not None]
 print("bare:", bare)
@@ -35,15 +44,46 @@ def test_installed_under_one_namespace_from_outside_the_checkout(tmp_path):
     assert "bare: []" in out.stdout
 
 
+def test_every_package_folder_is_installed():
+    """pyproject's explicit package list holds every folder with an __init__.py."""
+    text = (ROOT / "pyproject.toml").read_text()
+    block = re.search(r"^packages = \[(.*?)\]", text, re.M | re.S)
+    assert block, "pyproject.toml lists its packages"
+    listed = set(re.findall(r'"([\w.]+)"', block.group(1)))
+    on_disk = {
+        "gapless." + ".".join(init.parent.relative_to(ROOT).parts)
+        for pkg in PACKAGES
+        for init in (ROOT / pkg).rglob("__init__.py")
+    }
+    assert len(on_disk) > 10 and on_disk == listed
+
+
 def _project_imports(path: Path) -> list[str]:
+    """The project modules a file imports (`gapless.x.y`), at any depth in it."""
     tree = ast.parse(path.read_text(), str(path))
     names = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module == "gapless":  # a package
+            names += [f"gapless.{a.name}" for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names.append(node.module)
     return [n for n in names if n.split(".")[0] in (*PACKAGES, "gapless")]
+
+
+def _package_of(module: str) -> str:
+    return module.split(".")[1] if module.startswith("gapless.") else module.split(".")[0]
+
+
+def _imports_of(packages: tuple[str, ...]) -> list[tuple[str, str, str]]:
+    """(file, its package, the package it imports) for every project import in packages."""
+    return [
+        (str(f.relative_to(ROOT)), pkg, _package_of(n))
+        for pkg in packages
+        for f in (ROOT / pkg).rglob("*.py")
+        for n in _project_imports(f)
+    ]
 
 
 def test_every_import_names_the_namespace():
@@ -57,13 +97,17 @@ def test_every_import_names_the_namespace():
     assert len(files) > 80 and bare == []
 
 
-def test_shared_modules_import_no_role():
-    files = [*(ROOT / "core" / "common").glob("*.py"), *(ROOT / "shm").glob("*.py")]
-    assert len(files) >= 8, "the shared modules were found"
-    inversions = [
-        f"{f.relative_to(ROOT)} imports {n}"
-        for f in files
-        for n in _project_imports(f)
-        if not n.startswith(SHARED)
-    ]
-    assert inversions == []
+def test_the_layers():
+    """Shared modules import only shared ones; a role imports the shared layer and itself,
+    never another role; nothing but the top imports launch or bench, and the serving path
+    (launch) does not import bench."""
+    found = _imports_of(PACKAGES)
+    assert len(found) > 200, "the imports were read"
+    allowed = {
+        **{pkg: set(SHARED) for pkg in SHARED},
+        **{pkg: {*SHARED, pkg} for pkg in ROLES},
+        "launch": {*SHARED, *ROLES, "launch"},
+        "bench": set(PACKAGES),
+    }
+    wrong = [f"{f} imports gapless.{to}" for f, pkg, to in found if to not in allowed[pkg]]
+    assert wrong == []

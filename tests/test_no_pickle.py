@@ -7,7 +7,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("core", "frontend", "detokenizer", "gpu_runner", "shm", "bench")
+PACKAGES = ("common", "launch", "core", "frontend", "detokenizer", "gpu_runner", "shm", "bench")
 BANNED_MODULES = {"pickle", "cPickle", "dill", "cloudpickle", "multiprocessing"}
 BANNED_CALLS = {"send_pyobj", "recv_pyobj", "load", "loads"}
 

@@ -14,7 +14,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from gapless.core.common.families.base import ModelArch
+from gapless.common.families.base import ModelArch
 
 GB = 10**9
 TB = 10**12

@@ -327,7 +327,7 @@ def prepare(
     decisions = resolve(roots, wheels, host, pins, python, index_args)
     own = project_wheel(out)
     if tokenizer_src is None:
-        from gapless.core.common.model_cache import default_model_path
+        from gapless.common.model_cache import default_model_path
 
         tokenizer_src = default_model_path()
     tokenizer = write_tokenizer_gguf(tokenizer_src, out / "tokenizer.gguf")

@@ -109,7 +109,7 @@ def sim_profiles(data: dict) -> list[dict]:
     runner's forward time over the profile's modelled step at the same step."""
     from gapless.bench.gpu_check.floors import card, model_params
     from gapless.bench.gpu_check.shapes import SHAPES
-    from gapless.gpu_runner.sim_profiles import SimProfile, profile_fields, step_time
+    from gapless.gpu_runner.sim.profiles import SimProfile, profile_fields, step_time
 
     info = data.get("card")
     if not info:
@@ -394,7 +394,7 @@ def _sim(data: dict, name: str) -> list[str]:
         "",
         "The sim profile of this card with the published efficiencies (mfu 0.6, bandwidth "
         "0.85, docs/sim-profiles.md) models each profiled step; the scale is the real forward "
-        "over the modelled step. Paste a profile below into gpu_runner/sim_profiles.py to make "
+        "over the modelled step. Paste a profile below into gpu_runner/sim/profiles.py to make "
         "`--sim-profile` model this runner.",
         "",
         "| profile | decode_scale | prefill_scale |",

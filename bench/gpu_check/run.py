@@ -195,7 +195,7 @@ def relaunch(args: argparse.Namespace, t0: float, work: Path, site: Path | None,
 def rehearse(args: argparse.Namespace, t0: float) -> None:
     """--rehearse: nothing to install (gapless runs from where it is), the default model's
     tokenizer from its usual cache."""
-    from gapless.core.common.model_cache import default_model_path
+    from gapless.common.model_cache import default_model_path
 
     work = Path(args.work or tempfile.mkdtemp(prefix="gapless-gpu-rehearsal-")).resolve()
     (work / "cache").mkdir(parents=True, exist_ok=True)
@@ -457,7 +457,7 @@ class Check:
         model = self.model_dir(s.shape, max(1.0, self.left() - 30))
         port = _free_port()
         name = f"serve-{s.shape}-{'on' if overlap else 'off'}"
-        cmd = self.python("-m", "gapless.core.launch.cli", "serve", "--model", str(model),
+        cmd = self.python("-m", "gapless.launch.cli", "serve", "--model", str(model),
                           "--device", self.device, "--port", str(port), "--max-model-len",
                           str(MAX_MODEL_LEN), *s.serve_args,
                           *([] if overlap else ["--no-overlap"]))  # fmt: skip
@@ -502,7 +502,7 @@ class Check:
     def bench(self, url: str, name: str, workload: str, n: int, seed: int,
               concurrency: int | None = None) -> dict:  # fmt: skip
         out = self.work / f"{name}.json"
-        cmd = self.python("-m", "gapless.core.launch.cli", "bench", "--base-url", url,
+        cmd = self.python("-m", "gapless.launch.cli", "bench", "--base-url", url,
                           "--workload", workload, "--num-requests", str(n), "--seed", str(seed),
                           "--output-json", str(out), "--no-progress")  # fmt: skip
         if concurrency:

@@ -17,8 +17,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gapless.core.common import families
-from gapless.core.common.families.base import ModelArch
+from gapless.common import families
+from gapless.common.families.base import ModelArch
 
 INIT_STD = 0.02  # of every weight matrix; norms are 1 (Gemma's, stored as w in 1 + w, are 0)
 SEED = 1234
@@ -339,7 +339,7 @@ SHAPES: dict[str, Shape] = {
 
 
 def param_shape(name: str, arch: ModelArch) -> tuple[int, ...]:
-    """The shape of one parameter (Hugging Face name, as gpu_runner/weights.py lists them)."""
+    """The shape of one parameter (Hugging Face name, as gpu_runner/model/weights.py lists them)."""
     h, d, v = arch.hidden_size, arch.head_dim, arch.vocab_size
     q, kv = arch.num_heads * d, arch.num_kv_heads * d
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
@@ -369,7 +369,7 @@ def param_shape(name: str, arch: ModelArch) -> tuple[int, ...]:
 
 def parameters(arch: ModelArch) -> list[tuple[str, tuple[int, ...]]]:
     """(name, shape) of every parameter the loader reads for this architecture."""
-    from gapless.gpu_runner.weights import parameter_names
+    from gapless.gpu_runner.model.weights import parameter_names
 
     fused = families.family(arch.architecture).fused
     return [(n, param_shape(n, arch)) for n in parameter_names(arch, fused)]
@@ -453,7 +453,7 @@ def write_model(shape: Shape, out: Path, tokenizer_gguf: Path) -> Path:
     """The model directory of `shape` in `out`: config.json, model.safetensors (random),
     tokenizer.json and tokenizer_config.json of the GGUF's tokenizer."""
 
-    from gapless.core.common.model_files import load_tokenizer, resolve_model
+    from gapless.common.model_files import load_tokenizer, resolve_model
 
     out.mkdir(parents=True, exist_ok=True)
     info = resolve_model(str(tokenizer_gguf))

@@ -161,7 +161,7 @@ def kernels(work: Path, names: list[str]) -> None:
 
     from gapless.bench.gpu_check.shapes import SHAPES
     from gapless.gpu_runner.attention import StepLayout
-    from gapless.gpu_runner.flashinfer_attention import FlashinferAttention
+    from gapless.gpu_runner.cuda.flashinfer_attention import FlashinferAttention
 
     marks = work / "kernels"
     marks.mkdir(parents=True, exist_ok=True)
@@ -266,7 +266,7 @@ class Driver:
     context, and prompt slots beside them; blocks handed out in order from block 1."""
 
     def __init__(self, backend, block_size: int) -> None:
-        from gapless.core.common.messages import SamplingParams
+        from gapless.common.messages import SamplingParams
 
         self.backend = backend
         self.bs = block_size
@@ -281,7 +281,7 @@ class Driver:
         return out
 
     def plan(self, prompts: dict[int, list[int]], decodes: list[int], freed=(), blocks=None):
-        from gapless.core.common.messages import NewSlot, StepPlan
+        from gapless.common.messages import NewSlot, StepPlan
 
         self.seq += 1
         entries = [(s, len(p), p) for s, p in prompts.items()] + [(s, 1, None) for s in decodes]
@@ -318,7 +318,7 @@ def start_decoding(driver: Driver, batch: int, context: int, room: int, vocab: i
     """`batch` new slots whose caches hold context - 1 tokens (zeros, never computed), each fed
     one token: a decode-shaped first step, after which each slot holds `context` tokens and
     blocks for `room` more."""
-    from gapless.core.common.messages import NewSlot, StepPlan
+    from gapless.common.messages import NewSlot, StepPlan
 
     blocks = {s: driver.take_blocks(-(-(context + room) // driver.bs)) for s in range(batch)}
     driver.seq += 1
@@ -369,8 +369,8 @@ def profile_shape(spec: dict, work: Path, peak: float, bandwidth: float) -> dict
     from torch.profiler import ProfilerActivity, profile
 
     from gapless.bench.gpu_check import floors
-    from gapless.core.common.config import EngineConfig
-    from gapless.core.common.model_files import load_arch, resolve_model
+    from gapless.common.config import EngineConfig
+    from gapless.common.model_files import load_arch, resolve_model
     from gapless.gpu_runner.runner import ModelRunner, kv_block_bytes
 
     name, bs = spec["shape"], 16
@@ -394,7 +394,7 @@ def profile_shape(spec: dict, work: Path, peak: float, bandwidth: float) -> dict
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     t0 = time.perf_counter()
     if device == "cuda":
-        from gapless.gpu_runner.cuda import CudaBackend
+        from gapless.gpu_runner.cuda.backend import CudaBackend
 
         backend = CudaBackend(config)
     else:

@@ -1,4 +1,4 @@
-"""The decoder of every family gapless serves (core/common/families): shared layers with the
+"""The decoder of every family gapless serves (common/families): shared layers with the
 family's options, over a paged KV cache."""
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from gapless.core.common.families.base import ModelArch
+from gapless.common.families.base import ModelArch
 from gapless.gpu_runner.attention import AttentionMeta
 from gapless.gpu_runner.model.layers import MLP, Attention, RMSNorm
 from gapless.gpu_runner.model.moe import MoE

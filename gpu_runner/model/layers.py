@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gapless.core.common.families.base import ModelArch
+from gapless.common.families.base import ModelArch
 from gapless.gpu_runner.attention import AttentionMeta
 from gapless.gpu_runner.model.rope import rotate
 

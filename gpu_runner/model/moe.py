@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gapless.core.common.families.base import ModelArch
+from gapless.common.families.base import ModelArch
 from gapless.gpu_runner.model.layers import ACTIVATIONS, MLP
 
 

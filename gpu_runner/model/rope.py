@@ -8,7 +8,7 @@ import math
 
 import torch
 
-from gapless.core.common.families.base import ModelArch, rope_attention_factor
+from gapless.common.families.base import ModelArch, rope_attention_factor
 
 
 def _plain(theta: float, dim: int) -> torch.Tensor:  # [dim // 2] float32

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from gapless.bench.floor import FORMATS, build, floor_step, linear_layers
-from gapless.core.common.model_files import load_arch, resolve_model
-from gapless.gpu_runner.quant import DualLinear, Int4Linear, Int8Linear, W8A8Linear
+from gapless.common.model_files import load_arch, resolve_model
+from gapless.gpu_runner.cpu.quant import DualLinear, Int4Linear, Int8Linear, W8A8Linear
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))

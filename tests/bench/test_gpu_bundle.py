@@ -14,8 +14,8 @@ from packaging.requirements import Requirement
 from packaging.version import Version
 
 from gapless.bench.gpu_check import prepare
-from gapless.core.common.gguf_file import read_gguf
-from gapless.core.common.model_files import load_arch, load_tokenizer, resolve_model
+from gapless.common.gguf_file import read_gguf
+from gapless.common.model_files import load_arch, load_tokenizer, resolve_model
 
 TEXTS = [
     "The capital of France is Paris.",
@@ -148,8 +148,8 @@ def _info(info) -> str:
 def test_the_project_wheel_holds_the_packages_and_not_the_tests(tmp_path):
     built = prepare.project_wheel(tmp_path)
     names = zipfile.ZipFile(built).namelist()
-    for module in ("gapless/bench/gpu_check/run.py", "gapless/gpu_runner/startup.py",
-                   "gapless/gpu_runner/paged_decode.cpp", "gapless/core/launch/cli.py"):  # fmt: skip
+    for module in ("gapless/bench/gpu_check/run.py", "gapless/gpu_runner/cuda/startup.py",
+                   "gapless/gpu_runner/cpu/paged_decode.cpp", "gapless/launch/cli.py"):  # fmt: skip
         assert module in names
     assert not any(n.startswith("tests/") for n in names)
     assert not (prepare.ROOT / "build").exists()

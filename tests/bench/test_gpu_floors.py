@@ -11,9 +11,9 @@ import torch
 from gapless.bench.gpu_check import floors
 from gapless.bench.gpu_check.floors import Entry, card, keys_attended, model_params, step_cost
 from gapless.bench.gpu_check.shapes import SHAPES
-from gapless.core.common.families import FAMILIES
+from gapless.common.families import FAMILIES
 from gapless.gpu_runner.model import CausalLM
-from gapless.gpu_runner.sim_profiles import llama_params
+from gapless.gpu_runner.sim.profiles import llama_params
 
 LLAMA3_8B = SHAPES["llama3-8b"].arch()
 LLAMA3_1B = SHAPES["llama3.2-1b"].arch()

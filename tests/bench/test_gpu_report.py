@@ -13,7 +13,7 @@ from gapless.bench.gpu_check.report import Report, checks, measure, render, sim_
 from gapless.bench.gpu_check.run import junit, startup_lines
 from gapless.bench.gpu_check.shapes import SHAPES
 from gapless.bench.gpu_check.steps import categories, category, step_record
-from gapless.gpu_runner.sim_profiles import SimProfile, step_time
+from gapless.gpu_runner.sim.profiles import SimProfile, step_time
 
 CARD = {
     "name": "NVIDIA H200", "memory_bytes": 143 * 2**30, "multiprocessors": 132,

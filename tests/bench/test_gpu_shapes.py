@@ -12,7 +12,7 @@ from safetensors import safe_open
 
 from gapless.bench.gpu_check import shapes
 from gapless.bench.gpu_check.shapes import SHAPES, Shape, param_shape, write_model
-from gapless.core.common.model_files import load_arch, load_tokenizer, resolve_model
+from gapless.common.model_files import load_arch, load_tokenizer, resolve_model
 from gapless.gpu_runner.runner import ModelRunner
 from tests.engine_harness import make_config
 from tests.gpu_runner.test_padding import Plans

@@ -20,7 +20,7 @@ http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
 
 def test_serve_command():
     cmd = serve_command(1234, ["--model", "m"])
-    assert cmd[1:] == ["-m", "gapless.core.launch.cli", "serve", "--port", "1234", "--model", "m"]
+    assert cmd[1:] == ["-m", "gapless.launch.cli", "serve", "--port", "1234", "--model", "m"]
     assert cmd[0] == sys.executable
 
 

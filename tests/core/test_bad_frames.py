@@ -16,8 +16,8 @@ import pytest
 import zmq
 from prometheus_client import REGISTRY
 
-from gapless.core.common.channel import Receiver, Sender
-from gapless.core.common.messages import (
+from gapless.common.channel import Receiver, Sender
+from gapless.common.messages import (
     Abort,
     AddRequest,
     CoreInput,
@@ -28,7 +28,7 @@ from gapless.core.common.messages import (
     StepResult,
     StepTiming,
 )
-from gapless.gpu_runner.sim import SimBackend
+from gapless.gpu_runner.sim.backend import SimBackend
 from gapless.shm.frames import ANNOUNCE, MARK, RECORD
 from gapless.shm.names import SHM_DIR, check_ring_name
 from gapless.shm.ring import HEADER_BYTES, MAGIC

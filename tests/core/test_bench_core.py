@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gapless.core.common.messages import StepResult
+from gapless.common.messages import StepResult
 from gapless.core.policy import make_policy
 from tests.core.test_scheduler import make_requests, make_scheduler
 
@@ -72,7 +72,7 @@ def _distinct_run(caching: bool, prompts: list[list[int]], hashes: list[list[byt
     schedule + apply work for the whole run. Hashes come named, as the frontend sends them."""
     import time
 
-    from gapless.core.common.messages import AddRequest, SamplingParams
+    from gapless.common.messages import AddRequest, SamplingParams
 
     s = make_scheduler(
         num_blocks=64 * 80 + 1,
@@ -101,7 +101,7 @@ def test_bench_core_run_of_distinct_prompts(benchmark, caching):
     """128 requests of 1,024 distinct prompt tokens and 16 outputs: compare on and off."""
     import numpy as np
 
-    from gapless.core.common.block_hash import chain_hashes, hash_root
+    from gapless.common.block_hash import chain_hashes, hash_root
 
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 40000, 1024).tolist() for _ in range(128)]

@@ -10,7 +10,7 @@ from collections import deque
 import numpy as np
 import pytest
 
-from gapless.core.common.messages import AddRequest, SamplingParams, StepResult
+from gapless.common.messages import AddRequest, SamplingParams, StepResult
 from gapless.core.policy import make_policy
 from tests.core.test_prefix_cache import check_blocks
 from tests.core.test_scheduler import EOS, make_scheduler

@@ -8,11 +8,11 @@ import msgspec
 import pytest
 from prometheus_client import CollectorRegistry
 
-from gapless.core.common.config import EngineConfig
-from gapless.core.common.messages import SamplingParams
-from gapless.core.common.model_files import load_tokenizer
+from gapless.common.config import EngineConfig
+from gapless.common.messages import SamplingParams
+from gapless.common.model_files import load_tokenizer
 from gapless.core.metrics import CoreMetrics
-from gapless.gpu_runner.sim import SimBackend
+from gapless.gpu_runner.sim.backend import SimBackend
 from tests.conftest import sim_config
 from tests.engine_harness import Harness
 

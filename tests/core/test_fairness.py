@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
-from gapless.core.common.config import TenantSpec
-from gapless.core.common.messages import QUEUE_STATE_INTERVAL_S, QueueState, SamplingParams
+from gapless.common.config import TenantSpec
+from gapless.common.messages import QUEUE_STATE_INTERVAL_S, QueueState, SamplingParams
 from gapless.core.metrics import CoreMetrics
 from tests.conftest import sim_config
 from tests.engine_harness import Harness, make_config

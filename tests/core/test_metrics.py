@@ -19,8 +19,8 @@ from prometheus_client import values as prometheus_values
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 
-from gapless.core.common.messages import NewSlot, SamplingParams, StepPlan, StepResult, StepTiming
-from gapless.core.common.metrics import (
+from gapless.common.messages import NewSlot, SamplingParams, StepPlan, StepResult, StepTiming
+from gapless.common.metrics import (
     STAGE_BUCKETS,
     STAGES,
     BatchedHistogram,
@@ -208,7 +208,7 @@ def test_queue_gauges_and_preemptions() -> None:
 
 _WRITER = """
 import sys
-from gapless.core.common.metrics import FrontendMetrics
+from gapless.common.metrics import FrontendMetrics
 from gapless.core.metrics import CoreMetrics
 role = sys.argv[1]
 if role == "core":
@@ -230,7 +230,7 @@ def test_processes_merge_through_the_multiprocess_dir(tmp_path) -> None:
             [sys.executable, "-c", textwrap.dedent(_WRITER), role], cwd=ROOT, env=env, check=True
         )
     out = subprocess.run(
-        [sys.executable, "-c", "import sys; from gapless.core.common.metrics import render; "
+        [sys.executable, "-c", "import sys; from gapless.common.metrics import render; "
          "sys.stdout.write(render().decode())"],
         cwd=ROOT, env=env, check=True, capture_output=True, text=True,
     ).stdout  # fmt: skip

@@ -8,7 +8,7 @@ import json
 import httpx
 import pytest
 
-from gapless.core.common.model_files import load_tokenizer, resolve_model
+from gapless.common.model_files import load_tokenizer, resolve_model
 from tests.server import Server
 
 pytestmark = pytest.mark.slow

@@ -7,7 +7,7 @@ import zlib
 
 import numpy as np
 
-from gapless.core.common.messages import AddRequest, SamplingParams
+from gapless.common.messages import AddRequest, SamplingParams
 from gapless.core.policy import FairPolicy, Policy, PriorityPolicy, make_policy
 from gapless.core.scheduler import Scheduler
 from tests.core.test_scheduler import fake_result, make_scheduler

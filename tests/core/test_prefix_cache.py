@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from gapless.core.common.messages import AddRequest, SamplingParams
+from gapless.common.messages import AddRequest, SamplingParams
 from gapless.core.kv_blocks import BlockManager, chain_hashes, hash_root
 from gapless.core.scheduler import Scheduler
 from tests.conftest import sim_config

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gapless.core.common.messages import SamplingParams
+from gapless.common.messages import SamplingParams
 from tests.engine_harness import Harness, make_config
 
 transformers = pytest.importorskip("transformers")

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from gapless.core.common.messages import (
+from gapless.common.messages import (
     AddRequest,
     PromptLogprobs,
     SampleLogprobs,

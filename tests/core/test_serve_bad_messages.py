@@ -11,8 +11,8 @@ import pytest
 import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
-from gapless.core.common.channel import Sender
-from gapless.core.common.messages import (
+from gapless.common.channel import Sender
+from gapless.common.messages import (
     AddRequest,
     DetokNew,
     GetStats,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import logging
 
-from gapless.core.common.messages import SamplingParams
+from gapless.common.messages import SamplingParams
 from gapless.core.process import StatsLine
-from gapless.gpu_runner.sim import SimBackend
+from gapless.gpu_runner.sim.backend import SimBackend
 from tests.conftest import sim_config
 from tests.engine_harness import Harness
 

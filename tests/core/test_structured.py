@@ -8,9 +8,9 @@ import json
 import llguidance
 import pytest
 
-from gapless.core.common.grammars import make_tokenizer
-from gapless.core.common.messages import SamplingParams
-from gapless.core.common.model_files import load_tokenizer
+from gapless.common.grammars import make_tokenizer
+from gapless.common.messages import SamplingParams
+from gapless.common.model_files import load_tokenizer
 from tests.engine_harness import Harness, make_config
 
 SCHEMA = {

@@ -4,7 +4,7 @@ import pytest
 import tokenizers
 from tokenizers import Tokenizer
 
-from gapless.core.common.model_cache import default_model_path
+from gapless.common.model_cache import default_model_path
 
 
 @pytest.fixture(scope="session")

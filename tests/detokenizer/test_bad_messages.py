@@ -12,9 +12,9 @@ import msgspec
 import zmq
 from prometheus_client import REGISTRY
 
-from gapless.core.common.channel import Receiver, Sender
-from gapless.core.common.config import EngineConfig, ModelInfo
-from gapless.core.common.messages import (
+from gapless.common.channel import Receiver, Sender
+from gapless.common.config import EngineConfig, ModelInfo
+from gapless.common.messages import (
     ControlMessage,
     CoreInput,
     DetokInput,
@@ -25,7 +25,7 @@ from gapless.core.common.messages import (
     TextDelta,
     TextDeltas,
 )
-from gapless.core.common.process import CONTROL, CORE_IN, DETOK_IN, frontend_socket
+from gapless.common.process import CONTROL, CORE_IN, DETOK_IN, frontend_socket
 from gapless.detokenizer import process
 from gapless.detokenizer.state import DetokenizerState
 from tests.detokenizer.util import make_batch, make_new

@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from gapless.core.common.messages import SampleLogprobs, TokenLogprob, TopLogprob
+from gapless.common.messages import SampleLogprobs, TokenLogprob, TopLogprob
 from gapless.detokenizer.logprobs import LogprobText
 from gapless.detokenizer.state import DetokenizerState
 from tests.detokenizer.util import EOS, lp, make_new, step

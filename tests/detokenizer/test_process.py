@@ -5,9 +5,9 @@ import time
 
 import zmq
 
-from gapless.core.common.channel import Receiver, Sender
-from gapless.core.common.config import EngineConfig, ModelInfo
-from gapless.core.common.messages import (
+from gapless.common.channel import Receiver, Sender
+from gapless.common.config import EngineConfig, ModelInfo
+from gapless.common.messages import (
     ControlMessage,
     CoreInput,
     DetokInput,
@@ -18,7 +18,7 @@ from gapless.core.common.messages import (
     StreamEnded,
     TextDeltas,
 )
-from gapless.core.common.process import CONTROL, CORE_IN, DETOK_IN, frontend_socket
+from gapless.common.process import CONTROL, CORE_IN, DETOK_IN, frontend_socket
 from gapless.detokenizer import process
 from tests.detokenizer.util import EOS, lp, make_batch, make_new
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gapless.core.common.messages import (
+from gapless.common.messages import (
     DetokNew,
     SampleLogprobs,
     SamplingParams,

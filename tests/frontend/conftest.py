@@ -17,8 +17,8 @@ import tokenizers
 import uvicorn
 from prometheus_client import CollectorRegistry
 
-from gapless.core.common.config import EngineConfig, ModelInfo
-from gapless.core.common.metrics import FrontendMetrics
+from gapless.common.config import EngineConfig, ModelInfo
+from gapless.common.metrics import FrontendMetrics
 from gapless.frontend import metrics
 from gapless.frontend.admission import Admission
 from gapless.frontend.app import App

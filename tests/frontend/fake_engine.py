@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import tokenizers
 
-from gapless.core.common.messages import (
+from gapless.common.messages import (
     Abort,
     AddRequest,
     CoreInput,

@@ -26,9 +26,9 @@ import uvicorn
 from prometheus_client import CollectorRegistry
 from uvicorn.server import ServerState
 
-from gapless.core.common.config import EngineConfig
-from gapless.core.common.messages import AddRequest, CoreInput, FrontendInput, TextDelta, TextDeltas
-from gapless.core.common.metrics import FrontendMetrics
+from gapless.common.config import EngineConfig
+from gapless.common.messages import AddRequest, CoreInput, FrontendInput, TextDelta, TextDeltas
+from gapless.common.metrics import FrontendMetrics
 from gapless.frontend import metrics
 from gapless.frontend.admission import Admission
 from gapless.frontend.app import App
@@ -204,9 +204,9 @@ class LiveStreams:
 def _main() -> None:  # pragma: no cover - a profiling entry
     import uvloop
 
-    from gapless.core.common.config import ModelInfo
-    from gapless.core.common.model_cache import default_model_path
-    from gapless.core.common.model_files import load_tokenizer, resolve_model
+    from gapless.common.config import ModelInfo
+    from gapless.common.model_cache import default_model_path
+    from gapless.common.model_files import load_tokenizer, resolve_model
 
     num_streams = int(sys.argv[1]) if len(sys.argv) > 1 else 256
     num_steps = int(sys.argv[2]) if len(sys.argv) > 2 else 2000

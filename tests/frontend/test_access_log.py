@@ -9,7 +9,7 @@ import logging
 import httpx
 import pytest
 
-from gapless.core.common.logs import JsonFormatter, TextFormatter
+from gapless.common.logs import JsonFormatter, TextFormatter
 
 pytestmark = pytest.mark.anyio
 

@@ -12,10 +12,10 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
-from gapless.core.common.config import TenantSpec
-from gapless.core.launch.keys_file import read_keys_file
+from gapless.common.config import TenantSpec
 from gapless.frontend.admission import retry_after_s
 from gapless.frontend.app import App
+from gapless.launch.keys_file import read_keys_file
 from tests.frontend.conftest import build_app, sse_events
 from tests.frontend.fake_engine import FakeEngine
 

@@ -3,8 +3,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from gapless.core.common.block_hash import cache_scope, chain_hashes, hash_root
-from gapless.core.common.messages import AddRequest
+from gapless.common.block_hash import cache_scope, chain_hashes, hash_root
+from gapless.common.messages import AddRequest
 from tests.frontend.conftest import MODEL, sse_events
 from tests.frontend.fake_engine import FakeEngine
 

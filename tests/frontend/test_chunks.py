@@ -7,7 +7,7 @@ import json
 import msgspec
 import pytest
 
-from gapless.core.common.messages import TextDelta
+from gapless.common.messages import TextDelta
 from gapless.frontend.asgi import encoder
 from gapless.frontend.chat import ChatChunks
 from gapless.frontend.completions import CompletionChunks

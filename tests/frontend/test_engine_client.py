@@ -8,8 +8,8 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from gapless.core.common.channel import AsyncReceiver, Sender
-from gapless.core.common.messages import (
+from gapless.common.channel import AsyncReceiver, Sender
+from gapless.common.messages import (
     Abort,
     AddRequest,
     CoreInput,
@@ -22,7 +22,7 @@ from gapless.core.common.messages import (
     TextDeltas,
     TokenLogprob,
 )
-from gapless.core.common.process import CORE_IN, frontend_socket
+from gapless.common.process import CORE_IN, frontend_socket
 from gapless.frontend.engine_client import (
     EngineClient,
     EngineDeadError,

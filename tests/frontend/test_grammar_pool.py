@@ -13,7 +13,7 @@ import time
 import pytest
 import tokenizers
 
-from gapless.core.common.grammars import json_grammar
+from gapless.common.grammars import json_grammar
 from gapless.frontend.grammar_pool import Busy, GrammarPool, Unavailable
 from gapless.frontend.grammar_worker import WorkerInit
 from tests.frontend.hostile_schemas import alive, runaway_schema, wait_gone
@@ -118,7 +118,7 @@ def test_workers_die_with_the_frontend(init: WorkerInit, tmp_path) -> None:
         import asyncio, pathlib, sys, time
         from gapless.frontend.grammar_pool import GrammarPool
         from gapless.frontend.grammar_worker import WorkerInit
-        from gapless.core.common.grammars import json_grammar
+        from gapless.common.grammars import json_grammar
         init = WorkerInit(pathlib.Path({str(tok)!r}).read_text(), 49152, (2,), 2**28)
         pool = GrammarPool(init, workers=2, timeout_s=30.0)
         async def main():

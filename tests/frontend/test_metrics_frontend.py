@@ -11,8 +11,8 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
-from gapless.core.common import metrics as core_metrics
-from gapless.core.common.config import EngineConfig
+from gapless.common import metrics as core_metrics
+from gapless.common.config import EngineConfig
 from gapless.core.metrics import CoreMetrics
 from gapless.frontend.app import App
 from tests.frontend.conftest import MODEL, build_app, sse_events

@@ -12,9 +12,9 @@ import httpx
 import msgspec
 import pytest
 
-from gapless.core.common.block_hash import cache_scope, chain_hashes, hash_root
-from gapless.core.common.config import EngineConfig, TenantSpec
-from gapless.core.common.messages import AddRequest
+from gapless.common.block_hash import cache_scope, chain_hashes, hash_root
+from gapless.common.config import EngineConfig, TenantSpec
+from gapless.common.messages import AddRequest
 from gapless.core.scheduler import Scheduler
 from tests.core.test_prefix_cache import run_to_end
 from tests.core.test_scheduler import make_scheduler

@@ -13,9 +13,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gapless.core.common.channel import Receiver, Sender
-from gapless.core.common.config import CONFIG_ENV, encode_config
-from gapless.core.common.messages import (
+from gapless.common.channel import Receiver, Sender
+from gapless.common.config import CONFIG_ENV, encode_config
+from gapless.common.messages import (
     AddRequest,
     ControlMessage,
     CoreInput,
@@ -24,7 +24,7 @@ from gapless.core.common.messages import (
     TextDelta,
     TextDeltas,
 )
-from gapless.core.common.process import CONTROL, CORE_IN, frontend_socket
+from gapless.common.process import CONTROL, CORE_IN, frontend_socket
 from gapless.frontend.server import bind_socket
 from tests.server import free_port
 
@@ -46,7 +46,7 @@ def test_sigterm_drains_then_exits(make_config, run_dir: Path) -> None:
     core_in: Receiver[CoreInput] = Receiver(ctx, config.ipc(CORE_IN), CoreInput)
     env = dict(os.environ, **{CONFIG_ENV: encode_config(config)})
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gapless.core.launch.worker", "frontend", "0"],
+        [sys.executable, "-m", "gapless.launch.worker", "frontend", "0"],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,

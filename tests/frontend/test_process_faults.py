@@ -17,9 +17,9 @@ import httpx
 import pytest
 import zmq
 
-from gapless.core.common.channel import Receiver, Sender
-from gapless.core.common.config import CONFIG_ENV, encode_config
-from gapless.core.common.messages import (
+from gapless.common.channel import Receiver, Sender
+from gapless.common.config import CONFIG_ENV, encode_config
+from gapless.common.messages import (
     Abort,
     AddRequest,
     ControlMessage,
@@ -30,11 +30,11 @@ from gapless.core.common.messages import (
     TextDelta,
     TextDeltas,
 )
-from gapless.core.common.process import CONTROL, CORE_IN, frontend_socket
+from gapless.common.process import CONTROL, CORE_IN, frontend_socket
 from tests.server import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
-WORKER = [sys.executable, "-m", "gapless.core.launch.worker", "frontend", "0"]
+WORKER = [sys.executable, "-m", "gapless.launch.worker", "frontend", "0"]
 # a parent that starts the frontend, prints its pid, and waits: the test kills it
 LAUNCHER = (
     "import subprocess, sys; p = subprocess.Popen(sys.argv[1:]); print(p.pid, flush=True); p.wait()"

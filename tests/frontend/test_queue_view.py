@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from gapless.core.common.messages import (
+from gapless.common.messages import (
     QueueState,
     SamplingParams,
     TextDelta,

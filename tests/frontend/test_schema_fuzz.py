@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from gapless.core.common.messages import (
+from gapless.common.messages import (
     EngineStats,
     GetStats,
     GetTimeline,

@@ -17,7 +17,7 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry
 
-from gapless.core.common.messages import AddRequest, TextDelta, TextDeltas
+from gapless.common.messages import AddRequest, TextDelta, TextDeltas
 from gapless.frontend import http
 from tests.frontend.conftest import build_app, served
 from tests.frontend.fake_engine import FakeEngine

@@ -33,7 +33,7 @@ def json_format(schema: object, strict: bool | None = True) -> dict:
 
 
 def accepts(grammar: str, text: str, tokenizer) -> bool:
-    from gapless.core.common.grammars import make_tokenizer
+    from gapless.common.grammars import make_tokenizer
 
     view = make_tokenizer(tokenizer.to_str(), 49152, (2,))
     matcher = llguidance.LLMatcher(view, grammar)

@@ -9,9 +9,9 @@ from typing import Any
 import httpx
 import pytest
 
-from gapless.core.common.config import TenantSpec
-from gapless.core.launch.keys_file import read_keys_file
+from gapless.common.config import TenantSpec
 from gapless.frontend.tenants import ANONYMOUS, ApiKeys
+from gapless.launch.keys_file import read_keys_file
 from tests.frontend.conftest import build_app
 from tests.frontend.fake_engine import FakeEngine
 

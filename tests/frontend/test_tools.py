@@ -9,7 +9,7 @@ import httpx
 import llguidance
 import pytest
 
-from gapless.core.common.grammars import make_tokenizer
+from gapless.common.grammars import make_tokenizer
 from gapless.frontend.tool_parsers import HermesParser
 from tests.frontend.conftest import build_app, sse_events
 
@@ -305,7 +305,7 @@ async def test_strict_function_refuses_what_the_engine_would_ignore(client, engi
     ],
 )  # fmt: skip
 def test_a_call_cut_by_max_tokens_is_still_reported(text, name, arguments, content) -> None:
-    from gapless.core.common.messages import TextDelta
+    from gapless.common.messages import TextDelta
     from gapless.frontend.chat import ChatChunks, _message
 
     message, reason = _message(text, "length", HermesParser())

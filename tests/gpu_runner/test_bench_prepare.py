@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gapless.core.common.messages import StepPlan
+from gapless.common.messages import StepPlan
 from gapless.gpu_runner.attention import TorchAttention
 from gapless.gpu_runner.batch import POSITIONS, SLOT_MAPPING, PersistentBatch
 from gapless.gpu_runner.graph import capture_sizes, padded_size

@@ -13,7 +13,7 @@ import msgspec
 import pytest
 import torch
 
-from gapless.core.common.messages import SamplingParams
+from gapless.common.messages import SamplingParams
 from tests.core.test_engine_greedy import GREEDY, reference  # noqa: F401 (a fixture)
 from tests.engine_harness import Harness, make_config
 
@@ -65,7 +65,7 @@ QUESTIONS = [
 
 
 def test_compiled_and_eager_fp32_agree_on_the_default_model(default_gguf):
-    from gapless.core.common.model_files import load_tokenizer
+    from gapless.common.model_files import load_tokenizer
 
     eager = make_config(default_gguf, kv_cache_memory=64 * 2**20, max_num_seqs=8)
     tok = load_tokenizer(eager.model)
@@ -87,7 +87,7 @@ def test_compiled_and_eager_fp32_agree_on_the_default_model(default_gguf):
 
 
 def test_a_failed_compile_falls_back_to_eager(tiny_model_dir, reference, monkeypatch, caplog):  # noqa: F811
-    from gapless.gpu_runner import compiled
+    from gapless.gpu_runner.cpu import compiled
 
     def no_compiler(prime, sizes):
         raise RuntimeError("InvalidCxxCompiler: No working C++ compiler found")
@@ -130,7 +130,7 @@ def test_replayed_layers_use_their_own_weights_and_fall_back_where_they_differ()
     """Layers after the first replay its graph with their own weights, floats and caches;
     one whose inputs differ in kind from the first's (here a cache of another size) runs
     eagerly instead, and every output and cache write equals the eager loop's."""
-    from gapless.gpu_runner.compiled import CompiledLayers
+    from gapless.gpu_runner.cpu.compiled import CompiledLayers
 
     gen = torch.Generator().manual_seed(0)
     ws = [torch.randn(8, 8, generator=gen) for _ in range(4)]
@@ -161,7 +161,7 @@ def test_a_step_whose_metadata_differs_goes_through_the_compiler():
     """The first layer skips the compiler only for a step like one it chose a graph for, in
     its inputs and in every field of the metadata: here the same shapes with another constant
     (which the compiler burns into the graph) must take another graph."""
-    from gapless.gpu_runner.compiled import CompiledLayers
+    from gapless.gpu_runner.cpu.compiled import CompiledLayers
 
     gen = torch.Generator().manual_seed(0)
     layers = [_Scaled(torch.randn(8, 8, generator=gen), 1e-5) for _ in range(3)]
@@ -181,7 +181,7 @@ def test_a_step_whose_metadata_differs_goes_through_the_compiler():
 def test_a_step_whose_inputs_cannot_be_fetched_goes_through_the_compiler():
     """Where the step's inputs cannot be fetched from their sources (here a fetch that
     fails), the first layer takes the compiler, as it always can, and fetching stops."""
-    from gapless.gpu_runner.compiled import CompiledLayers
+    from gapless.gpu_runner.cpu.compiled import CompiledLayers
 
     gen = torch.Generator().manual_seed(0)
     layers = [_Layer(torch.randn(8, 8, generator=gen), 1e-5) for _ in range(3)]
@@ -216,7 +216,7 @@ class _Breaking(_Layer):
 def test_a_graph_break_in_a_layer_is_never_replayed():
     """The compiler splits such a layer into graphs of its own frames; replaying one of them
     would run part of a layer, so every layer goes through the compiler, as without replay."""
-    from gapless.gpu_runner.compiled import CompiledLayers
+    from gapless.gpu_runner.cpu.compiled import CompiledLayers
 
     gen = torch.Generator().manual_seed(0)
     layers = [_Breaking(torch.randn(8, 8, generator=gen), 1e-5) for _ in range(3)]
@@ -230,7 +230,7 @@ def test_a_graph_break_in_a_layer_is_never_replayed():
 
 def test_a_dropped_runner_frees_its_layers():
     """The compiler keeps what our backend returns; it must not keep the model with it."""
-    from gapless.gpu_runner.compiled import CompiledLayers
+    from gapless.gpu_runner.cpu.compiled import CompiledLayers
 
     layers = [_Layer(torch.randn(8, 8), 1e-5) for _ in range(3)]
     meta = SimpleNamespace(slots=torch.tensor([0, 2]))

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from gapless.core.common.messages import SamplingParams
+from gapless.common.messages import SamplingParams
 from gapless.gpu_runner.runner import ModelRunner
 from tests.conftest import build_tiny_llama
 from tests.engine_harness import Harness, make_config
@@ -34,7 +34,7 @@ def cuda_model_dir(tmp_path_factory, default_gguf):
 
 
 def _cuda(model_dir, **overrides):
-    from gapless.gpu_runner.cuda import CudaBackend
+    from gapless.gpu_runner.cuda.backend import CudaBackend
 
     config = make_config(
         model_dir, device="cuda", dtype="bfloat16", block_size=BS, max_num_seqs=8, **overrides
@@ -197,13 +197,13 @@ def test_kv_cache_memory_overrides_the_sizing(cuda_model_dir):
 
 
 def _arch(model_dir):
-    from gapless.core.common.model_files import load_arch, resolve_model
+    from gapless.common.model_files import load_arch, resolve_model
 
     return load_arch(resolve_model(str(model_dir)))
 
 
 def test_missing_flashinfer_is_a_clear_error(tiny_model_dir, monkeypatch):
-    from gapless.gpu_runner.cuda import CudaBackend
+    from gapless.gpu_runner.cuda.backend import CudaBackend
 
     monkeypatch.setitem(sys.modules, "flashinfer", None)  # import raises ImportError
     with pytest.raises(RuntimeError, match=r"pip install 'gapless\[cuda\]'"):

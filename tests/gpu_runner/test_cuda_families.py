@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gapless.core.common.messages import SamplingParams
+from gapless.common.messages import SamplingParams
 from gapless.gpu_runner.runner import ModelRunner
 from tests.engine_harness import Harness, make_config
 from tests.family_models import WINDOW, build
@@ -100,9 +100,9 @@ def test_flashinfer_plans_a_wrapper_per_window_with_the_cap_and_scale(monkeypatc
 
     import numpy as np
 
-    from gapless.core.common.model_files import load_arch, resolve_model
+    from gapless.common.model_files import load_arch, resolve_model
     from gapless.gpu_runner.attention import StepLayout
-    from gapless.gpu_runner.flashinfer_attention import FlashinferAttention
+    from gapless.gpu_runner.cuda.flashinfer_attention import FlashinferAttention
 
     fake = types.SimpleNamespace(BatchPrefillWithPagedKVCacheWrapper=_Wrapper,
                                  BatchDecodeWithPagedKVCacheWrapper=_Wrapper)  # fmt: skip

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gapless.core.common.messages import SamplingParams, TokenBatch
+from gapless.common.messages import SamplingParams, TokenBatch
 from tests.engine_harness import Harness, make_config
 from tests.family_models import FAMILIES, WINDOW, build
 
@@ -65,7 +65,7 @@ def family(request, tmp_path_factory, tiny_model_dir):
 
 
 def _kv_bytes(model_dir, blocks: int) -> int:
-    from gapless.core.common.model_files import load_arch, resolve_model
+    from gapless.common.model_files import load_arch, resolve_model
 
     arch = load_arch(resolve_model(str(model_dir)))
     return blocks * 2 * arch.num_layers * BLOCK * arch.num_kv_heads * arch.head_dim * 4
@@ -109,7 +109,7 @@ def _run(config, prompts) -> Recorder:
 def test_sliding_windows_on_each_cpu_attention_path(family, kernel):
     """Prompts longer than the window decode through the paged kernel and through torch's
     gather + SDPA, each with the window's mask."""
-    from gapless.gpu_runner import kernels
+    from gapless.gpu_runner.cpu import kernels
 
     if kernel and not kernels.available(torch.float32):
         pytest.skip("no C++ compiler for the paged kernel")
@@ -141,11 +141,11 @@ def test_the_compiled_decode_step_equals_transformers(family):
 def test_quantized_families_stay_near_float32(family, mode):
     """Every family takes the cpu's quantized layers (a mixture of experts keeps its routed
     experts in --dtype): a step's logits stay close to the float32 model's."""
-    from gapless.core.common.model_files import load_arch, resolve_model
+    from gapless.common.model_files import load_arch, resolve_model
+    from gapless.gpu_runner.cpu.quant import QUANTIZED, quantize_model
     from gapless.gpu_runner.model import CausalLM
-    from gapless.gpu_runner.quant import QUANTIZED, quantize_model
+    from gapless.gpu_runner.model.weights import load_weights
     from gapless.gpu_runner.runner import has_fbgemm
-    from gapless.gpu_runner.weights import load_weights
 
     if mode == "w8a8" and not has_fbgemm():
         pytest.skip("no fbgemm")

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from gapless.core.common.model_files import load_arch, read_gguf, resolve_model
+from gapless.common.model_files import load_arch, read_gguf, resolve_model
 from gapless.gpu_runner.attention import StepLayout, TorchAttention
 from gapless.gpu_runner.model import CausalLM
-from gapless.gpu_runner.weights import load_weights
+from gapless.gpu_runner.model.weights import load_weights
 from tests.engine_harness import Harness, make_config
 from tests.family_models import build
 
@@ -128,7 +128,7 @@ def test_a_written_gguf_gives_transformers_logits(written):
 
 
 def test_a_written_gguf_serves_transformers_greedy_tokens(written):
-    from gapless.core.common.messages import SamplingParams
+    from gapless.common.messages import SamplingParams
 
     family, path, ref = written
     prompt = torch.randint(3, 40000, (30,), generator=torch.Generator().manual_seed(5)).tolist()

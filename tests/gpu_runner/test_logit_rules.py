@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from gapless.core.common.messages import SamplingParams
-from gapless.gpu_runner.sampler import SamplerState
+from gapless.common.messages import SamplingParams
+from gapless.gpu_runner.sampling.sampler import SamplerState
 
 V = 32
 EOS = 3

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gapless.core.launch.supervisor import device_note
-from gapless.gpu_runner.memory import FREE_MARGIN, GIB, kv_cache_blocks, plan_memory
+from gapless.gpu_runner.cuda.memory import FREE_MARGIN, GIB, kv_cache_blocks, plan_memory
+from gapless.launch.supervisor import device_note
 
 
 def test_the_kv_cache_gets_what_the_others_leave_of_the_budget():

@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gapless.core.common.messages import NewSlot, SamplingParams, StepPlan
-from gapless.core.common.model_files import ModelArch
-from gapless.gpu_runner import kernels
+from gapless.common.messages import NewSlot, SamplingParams, StepPlan
+from gapless.common.model_files import ModelArch
 from gapless.gpu_runner.attention import TorchAttention
 from gapless.gpu_runner.batch import (
     IDS,
@@ -17,6 +16,7 @@ from gapless.gpu_runner.batch import (
     TOK_SLOT,
     PersistentBatch,
 )
+from gapless.gpu_runner.cpu import kernels
 from gapless.gpu_runner.model import CausalLM
 
 transformers = pytest.importorskip("transformers")
@@ -208,7 +208,7 @@ def test_every_rope_kind_turns_as_transformers(kind):
     """cos and sin of each RoPE kind at every position of the context, as transformers'
     rotary embedding gives them (LongRoPE: one position at a time past the original
     context, as a decode step asks)."""
-    from gapless.core.common.families import arch_from_config
+    from gapless.common.families import arch_from_config
     from gapless.gpu_runner.model import Rope
 
     params = {**ROPES[kind], "rope_theta": 50000.0}
@@ -233,7 +233,7 @@ def test_every_rope_kind_turns_as_transformers(kind):
 def test_gguf_rope_factors_divide_the_frequencies_as_llama3s():
     """llama.cpp writes llama3's scaling as per-frequency divisors (rope_freqs): the same
     frequencies as the scaling computed from config.json's keys."""
-    from gapless.core.common.families import arch_from_config
+    from gapless.common.families import arch_from_config
     from gapless.gpu_runner.model import Rope
 
     params = {**ROPES["llama3"], "rope_theta": 50000.0}

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gapless.core.common.families import arch_from_config
+from gapless.common.families import arch_from_config
 from gapless.gpu_runner.model import fuse_weights
 from gapless.gpu_runner.model.moe import (
     MoE,

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-import gapless.gpu_runner.sampler as sampler_module
-from gapless.core.common.messages import SamplingParams
-from gapless.gpu_runner.nucleus import mass_above, nucleus_argmax
-from gapless.gpu_runner.sampler import SamplerState
+import gapless.gpu_runner.sampling.sampler as sampler_module
+from gapless.common.messages import SamplingParams
+from gapless.gpu_runner.sampling.nucleus import mass_above, nucleus_argmax
+from gapless.gpu_runner.sampling.sampler import SamplerState
 
 
 def params(**overrides: object) -> SamplingParams:

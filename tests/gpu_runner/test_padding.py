@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from gapless.core.common.messages import NewSlot, SamplingParams, StepPlan
+from gapless.common.messages import NewSlot, SamplingParams, StepPlan
 from gapless.gpu_runner.batch import IDS, LOGIT_ROWS, SLOT_MAPPING, PersistentBatch
 from gapless.gpu_runner.graph import capture_sizes, padded_size
 from gapless.gpu_runner.runner import ModelRunner

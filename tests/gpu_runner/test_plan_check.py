@@ -12,9 +12,9 @@ import pytest
 import zmq
 from prometheus_client import REGISTRY
 
-from gapless.core.common.channel import Receiver, Sender
-from gapless.core.common.config import EngineConfig, ModelInfo
-from gapless.core.common.messages import (
+from gapless.common.channel import Receiver, Sender
+from gapless.common.config import EngineConfig, ModelInfo
+from gapless.common.messages import (
     ControlMessage,
     NewSlot,
     Ready,
@@ -27,10 +27,10 @@ from gapless.core.common.messages import (
     StepRefused,
     StepResult,
 )
-from gapless.core.common.process import CONTROL, RUNNER_IN, RUNNER_OUT
+from gapless.common.process import CONTROL, RUNNER_IN, RUNNER_OUT
 from gapless.gpu_runner import process
 from gapless.gpu_runner.plan_check import PlanCheck
-from gapless.gpu_runner.sim import SimBackend
+from gapless.gpu_runner.sim.backend import SimBackend
 from tests.conftest import sim_config
 from tests.engine_harness import Harness
 from tests.gpu_runner.test_bench_prepare import BLOCK, MAX_MODEL_LEN, steady

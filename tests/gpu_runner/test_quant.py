@@ -9,9 +9,9 @@ import torch.nn.functional as F
 
 from gapless.bench.cpu_step import Streams, runner_config
 from gapless.bench.perplexity import decode_perplexity, perplexity
-from gapless.core.common.model_files import load_arch, load_tokenizer, resolve_model
-from gapless.gpu_runner import kernels
-from gapless.gpu_runner.quant import (
+from gapless.common.model_files import load_arch, load_tokenizer, resolve_model
+from gapless.gpu_runner.cpu import kernels
+from gapless.gpu_runner.cpu.quant import (
     DENSE_ROWS,
     KERNEL_DTYPE,
     SMALL_ROWS,
@@ -26,8 +26,8 @@ from gapless.gpu_runner.quant import (
     q4_1_blocks,
     quantize_model,
 )
+from gapless.gpu_runner.model.weights import load_weights
 from gapless.gpu_runner.runner import resolve_quantization
-from gapless.gpu_runner.weights import load_weights
 
 
 def _bf16(t: torch.Tensor) -> torch.Tensor:
@@ -217,7 +217,7 @@ def test_dual_linear_compiled_matches_eager_on_both_sides() -> None:
 
 
 def test_int4_dual_keeps_the_dense_weights_and_an_int8_output_layer() -> None:
-    from gapless.core.common.model_files import ModelArch
+    from gapless.common.model_files import ModelArch
     from gapless.gpu_runner.model import CausalLM
 
     arch = ModelArch(architecture="llama", vocab_size=128, hidden_size=64,
@@ -303,7 +303,7 @@ def test_quantized_formats_keep_perplexity_within_2_percent_and_say_paris(defaul
 def test_w8a8_packed_weights_go_with_their_layer() -> None:
     import gc
 
-    from gapless.gpu_runner.quant import PACKED
+    from gapless.gpu_runner.cpu.quant import PACKED
 
     layer = make_w8a8(torch.randn(8, 32), None)
     handle = int(layer.handle)

@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-import gapless.gpu_runner.sampler as sampler_module
-from gapless.core.common.messages import SamplingParams
-from gapless.gpu_runner.sampler import SamplerState, exponentials, mix64
+import gapless.gpu_runner.sampling.sampler as sampler_module
+from gapless.common.messages import SamplingParams
+from gapless.gpu_runner.sampling.sampler import SamplerState, exponentials, mix64
 
 CPU = torch.device("cpu")
 

@@ -8,11 +8,11 @@ import msgspec
 import numpy as np
 import pytest
 
-from gapless.core.common.config import EngineConfig
-from gapless.core.common.messages import NewSlot, SamplingParams, StepPlan
-from gapless.core.common.model_files import load_tokenizer
-from gapless.gpu_runner.sim import SimBackend
-from gapless.gpu_runner.sim_profiles import (
+from gapless.common.config import EngineConfig
+from gapless.common.messages import NewSlot, SamplingParams, StepPlan
+from gapless.common.model_files import load_tokenizer
+from gapless.gpu_runner.sim.backend import SimBackend
+from gapless.gpu_runner.sim.profiles import (
     GIB,
     PROFILES,
     SimProfile,

@@ -1,4 +1,4 @@
-"""The cuda device's startup stages (gpu_runner/startup.py) run here on the cpu runner, the
+"""The cuda device's startup stages (gpu_runner/cuda/startup.py) run here on the cpu runner, the
 device's memory counters stood in for: the stages and their log, the warm-up leaving the
 runner as new, the KV cache sized from the measured peaks (the gpu-marked tests in
 test_cuda.py run the same on a GPU)."""
@@ -11,9 +11,9 @@ import logging
 import pytest
 import torch
 
-from gapless.core.common.config import max_useful_blocks
-from gapless.gpu_runner import startup
-from gapless.gpu_runner.memory import GIB, plan_memory
+from gapless.common.config import max_useful_blocks
+from gapless.gpu_runner.cuda import startup
+from gapless.gpu_runner.cuda.memory import GIB, plan_memory
 from gapless.gpu_runner.runner import ModelRunner, kv_block_bytes
 from tests.engine_harness import make_config
 from tests.gpu_runner.test_padding import Plans

@@ -7,7 +7,7 @@ import sys
 
 CHECK = """
 import os, sys
-from gapless.gpu_runner.threads import set_wait_policy
+from gapless.gpu_runner.cpu.threads import set_wait_policy
 os.environ.pop("OMP_WAIT_POLICY", None)
 os.environ.pop("KMP_BLOCKTIME", None)
 os.environ.pop("GOMP_SPINCOUNT", None)
@@ -40,15 +40,15 @@ def test_spin_leaves_the_runtime_default() -> None:
 
 def test_the_runner_process_sets_the_policy_before_it_imports_torch() -> None:
     code = (
-        "import sys; import gapless.core.launch.worker, gapless.gpu_runner.process, "
-        "gapless.core.launch.cli; print('torch' in sys.modules)"
+        "import sys; import gapless.launch.worker, gapless.gpu_runner.process, "
+        "gapless.launch.cli; print('torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
 
 def test_busy_cores_counts_the_rest_of_the_machine(tmp_path, monkeypatch) -> None:
-    from gapless.gpu_runner import threads
+    from gapless.gpu_runner.cpu import threads
 
     stat = tmp_path / "stat"
     clock, own = [0.0], [0.0]

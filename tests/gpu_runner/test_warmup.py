@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from gapless.gpu_runner.cuda.warmup import run_warmup, warmup_plans, warmup_step
 from gapless.gpu_runner.runner import ModelRunner
-from gapless.gpu_runner.warmup import run_warmup, warmup_plans, warmup_step
 from tests.engine_harness import make_config
 from tests.gpu_runner.test_padding import Plans
 

@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gapless.core.common.model_files import load_arch, resolve_model
-from gapless.gpu_runner.weights import load_weights, parameter_names
+from gapless.common.model_files import load_arch, resolve_model
+from gapless.gpu_runner.model.weights import load_weights, parameter_names
 
 transformers = pytest.importorskip("transformers")
 

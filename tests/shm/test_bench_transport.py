@@ -19,7 +19,7 @@ import pytest
 import zmq
 
 from gapless import shm
-from gapless.core.common.channel import Receiver, Sender
+from gapless.common.channel import Receiver, Sender
 
 SIZES = {"1KB": 2**10, "4KB": 2**12, "16KB": 2**14, "64KB": 2**16, "256KB": 2**18, "1MB": 2**20}
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -13,8 +13,8 @@ import zmq
 import zmq.asyncio
 
 from gapless import shm
-from gapless.core.common.channel import AsyncReceiver, Receiver, Sender
-from gapless.core.common.messages import DetokInput, DetokNew, SamplingParams, Shutdown, TokenBatch
+from gapless.common.channel import AsyncReceiver, Receiver, Sender
+from gapless.common.messages import DetokInput, DetokNew, SamplingParams, Shutdown, TokenBatch
 from gapless.shm.names import SHM_DIR
 from gapless.shm.ring import RingFull, ShmRing, record_bytes
 
@@ -217,8 +217,8 @@ def test_owner_exit_without_close_unlinks(run_id) -> None:
 
 CHANNEL_KILLED = """
 import sys, zmq
-from gapless.core.common.channel import Sender
-from gapless.core.common.messages import TokenBatch
+from gapless.common.channel import Sender
+from gapless.common.messages import TokenBatch
 s = Sender(zmq.Context(), sys.argv[1], shm=True)
 s.send(TokenBatch(["a"], [1], [5], [""], [3]))
 print("sent", flush=True)

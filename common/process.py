@@ -1,0 +1,90 @@
+"""What every gapless child process shares: config from the environment, parent-death
+detection, SIGTERM as a request to stop, and the READY / FATAL reports to the supervisor."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import signal
+import sys
+import threading
+
+import zmq
+
+from gapless.common.channel import Sender
+from gapless.common.config import CONFIG_ENV, EngineConfig, decode_config
+from gapless.common.logs import setup_logging
+from gapless.common.messages import ControlMessage, Fatal, Ready
+from gapless.shm import names as shm
+
+# ipc socket names inside the run directory; the receiving side binds
+CORE_IN = "core_in"  # frontends and detokenizer -> core
+RUNNER_IN = "runner_in"  # core -> gpu_runner
+RUNNER_OUT = "runner_out"  # gpu_runner -> core
+DETOK_IN = "detok_in"  # core -> detokenizer
+CONTROL = "control"  # every process -> supervisor
+
+
+ROLE_NAMES = {"gpu_runner": "runner", "detokenizer": "detok"}  # as logs name them
+
+
+def frontend_socket(frontend_id: int) -> str:
+    return f"frontend_{frontend_id}"
+
+
+_stop = threading.Event()
+_parent_pid: int | None = None  # the supervisor, as child_setup found it
+
+
+def stop_requested() -> bool:
+    """True once SIGTERM arrived or the parent died; busy loops check it between steps."""
+    return _stop.is_set()
+
+
+def _die_with_parent() -> None:
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def parent_gone() -> bool:
+    """True once the supervisor that started this process has exited (we were re-parented)."""
+    return _parent_pid is not None and os.getppid() != _parent_pid
+
+
+def remove_run(config: EngineConfig) -> None:
+    """Remove the run directory and the run's shared-memory rings: what a supervisor that died
+    could not. Every process left does it as it exits; the last one leaves nothing."""
+    if config.run_dir:
+        shutil.rmtree(config.run_dir, ignore_errors=True)
+        shm.cleanup_run(shm.run_id_of(config.run_dir))
+
+
+def child_setup(role: str) -> EngineConfig:
+    """Call first in a child: returns the config and arms signals. SIGINT is the supervisor's."""
+    global _parent_pid
+    config = decode_config(os.environ[CONFIG_ENV])
+    _parent_pid = os.getppid()
+    setup_logging(config.log_level, config.log_format, ROLE_NAMES.get(role, role))
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: _stop.set())
+    return config
+
+
+class ControlReporter:
+    """Sends READY and FATAL to the supervisor's control socket."""
+
+    def __init__(self, ctx: zmq.Context, config: EngineConfig, role: str) -> None:
+        self.role = role
+        self._sender: Sender[ControlMessage] = Sender(ctx, config.ipc(CONTROL))
+
+    def ready(self, **info: int) -> None:
+        self._sender.send(Ready(role=self.role, pid=os.getpid(), info=info))
+
+    def fatal(self, message: str) -> None:
+        self._sender.send(Fatal(role=self.role, message=message))
+
+    def close(self) -> None:
+        self._sender.socket.close(linger=500)

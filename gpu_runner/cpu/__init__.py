@@ -1,0 +1,1 @@
+"""The cpu device's own pieces: compiled layers, C++ kernels, quantized layers, threads."""

@@ -1,0 +1,1 @@
+"""The cuda device: flashinfer attention, CUDA graphs, memory sizing, warm-up."""

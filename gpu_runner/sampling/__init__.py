@@ -1,0 +1,1 @@
+"""Sampling on the device: the sampler, logit rules, logprobs, grammar rows."""

@@ -1,0 +1,468 @@
+"""Vectorized sampling over the runner's persistent batch.
+
+Per-slot parameters live twice: in host numpy tables, so batch-level flags ("all greedy",
+"any top_p") cost no device sync, and in device copies of the same tables, uploaded when a slot
+changes. Randomness is a counter-based hash of (seed, position, vocab id), so a seeded request
+samples the same tokens whatever batch or slot it lands in, with no per-row generator state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from gapless.common.messages import SamplingParams
+from gapless.gpu_runner.sampling.logit_rules import LogitRules
+from gapless.gpu_runner.sampling.nucleus import nucleus_argmax
+
+# columns of the float parameter table
+_TEMP, _TOP_P, _MIN_P, _PRES, _FREQ, _REP = range(6)
+# columns of the int parameter table
+_TOP_K, _SEED, _HAS_SEED, _NUM_PROMPT = range(4)
+
+
+def _signed(value: int, bits: int) -> int:
+    """The two's-complement reading of the low `bits` bits of value."""
+    value &= (1 << bits) - 1
+    return value - (1 << bits) if value >> (bits - 1) else value
+
+
+_GOLDEN64 = _signed(0x9E3779B97F4A7C15, 64)
+_MIX64_A = _signed(0xBF58476D1CE4E5B9, 64)
+_MIX64_B = _signed(0x94D049BB133111EB, 64)
+_MIX32_A = _signed(0x85EBCA6B, 32)
+_MIX32_B = _signed(0xC2B2AE35, 32)
+_UNSEEDED_SALT = _signed(0xD1B54A32D192ED03, 64)
+# CPU only: rows per block = this // vocab, so a block's float32 temporaries stay in cache
+_CPU_BLOCK_ELEMENTS = 1 << 18
+# CPU only: top_p without top_k by rejection (gpu_runner/sampling/nucleus.py) instead of a full sort
+_CPU_SORT_FREE_TOP_P = True
+
+
+def _shr(x: torch.Tensor, shift: int, bits: int) -> torch.Tensor:
+    """Logical right shift of a signed tensor: torch shifts arithmetically, so mask the sign."""
+    return (x >> shift).bitwise_and_((1 << (bits - shift)) - 1)
+
+
+def mix64(x: torch.Tensor) -> torch.Tensor:
+    """splitmix64 of each int64 element (multiplication and addition wrap mod 2**64)."""
+    x = x + _GOLDEN64
+    x = (x ^ _shr(x, 30, 64)) * _MIX64_A
+    x = (x ^ _shr(x, 27, 64)) * _MIX64_B
+    return x ^ _shr(x, 31, 64)
+
+
+def _fmix32_(x: torch.Tensor, final_shift: bool = True) -> torch.Tensor:
+    """murmur3's 32-bit finalizer, in place on an int32 tensor (a bijection on 32 bits).
+
+    Without final_shift the top 16 bits are the same and the rest differ by a bijection of the
+    top bits, so callers that only read the top bits lose nothing by skipping it.
+    """
+    x ^= _shr(x, 16, 32)
+    x *= _MIX32_A
+    x ^= _shr(x, 13, 32)
+    x *= _MIX32_B
+    if final_shift:
+        x ^= _shr(x, 16, 32)
+    return x
+
+
+def exponentials(keys: torch.Tensor, vocab_hash: torch.Tensor) -> torch.Tensor:
+    """Exp(1) draws for every (row, vocab id): keys [B] int64, vocab_hash [V] int32 -> [B, V].
+
+    Each row's key is already a full 64-bit hash; its high 32 bits are xored with a fixed hash
+    of the vocab id and finalized, which is a bijection per row, so no two ids share a draw.
+    """
+    x = (keys >> 32).to(torch.int32)[:, None] ^ vocab_hash  # [B, V] int32
+    _fmix32_(x, final_shift=False)
+    # top 23 bits, signed in [-2**22, 2**22); + 2**22 + 0.5 is exact in float32 and lies in
+    # (0, 2**23), so u = w / 2**23 is exact and strictly inside (0, 1), and q = -log(u) > 0.
+    # why not 23 log 2 - log(w): near u = 1 that difference rounds to 0, and probs / 0 gives
+    # inf (an allowed token wins) or nan (a filtered-out token wins the argmax)
+    w = (x >> 9).to(torch.float32).add_(2.0**22 + 0.5)  # [B, V] float32
+    return w.mul_(2.0**-23).log_().neg_()
+
+
+@dataclass(frozen=True)
+class BatchFlags:
+    """Host-side facts about one batch that choose which sampling stages run."""
+
+    all_greedy: bool
+    any_greedy: bool
+    any_penalty: bool  # repetition, presence or frequency penalty on some row
+    max_top_k: int  # 0: no sampled row restricts top_k
+    any_top_p: bool
+    top_p_within_top_k: bool  # every sampled row with top_p also has top_k
+    any_min_p: bool
+    max_logprobs: int  # -1: no row asked; 0: sampled token only; k: also the top k
+    # every row greedy, with no penalty, logprobs or logit rule that depends on the step: the
+    # argmax (of the logits plus each row's constant rule, `biased`) is all there is
+    plain: bool = False
+    biased: bool = False
+
+
+@dataclass(frozen=True)
+class SampleOutput:
+    token_ids: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor | None  # [B] float32, raw model log-softmax; None if nobody asked
+    top_ids: torch.Tensor  # [B, K] int64, K = max requested top logprobs in the batch (may be 0)
+    top_logprobs: torch.Tensor  # [B, K] float32, sorted descending per row
+    plain: bool = False  # the batch's flags were plain: nothing for record() to count
+
+
+class SamplerState:
+    """Per-slot sampling parameters and penalty counters, kept across steps (on `device`).
+
+    Contract with the runner: `add` when a NewSlot arrives, `remove` for freed slots, `record`
+    every token that enters a slot's sequence (prompt chunks and sampled tokens, each position
+    once per slot lifetime; `sample` does not record its own output), `sample` per step.
+    """
+
+    def __init__(
+        self,
+        max_slots: int,
+        vocab_size: int,
+        device: torch.device | str,
+        max_logprobs: int = 20,
+        seed: int = 0,
+        eos_token_ids: tuple[int, ...] = (),
+    ) -> None:
+        self.max_slots = max_slots
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        self.max_logprobs = max_logprobs
+        self._fparams = np.zeros((max_slots, 6), np.float32)
+        self._iparams = np.zeros((max_slots, 4), np.int64)
+        self._num_logprobs = np.full(max_slots, -1, np.int64)  # -1: not asked
+        self._active = np.zeros(max_slots, bool)
+        self._has_penalty = np.zeros(max_slots, bool)
+        self._dirty = False
+        # flags() of the last batch, while no slot has come or gone since (see flags)
+        self._flags: tuple[bytes, BatchFlags] | None = None
+        self._fparams_dev = torch.zeros((max_slots, 6), dtype=torch.float32, device=self.device)
+        self._iparams_dev = torch.zeros((max_slots, 4), dtype=torch.int64, device=self.device)
+        # output token counts and prompt membership; one spare element at the end of the flat
+        # prompt buffer absorbs writes for output positions, so record() needs no masking sync
+        self._counts = torch.zeros((max_slots, vocab_size), dtype=torch.int32, device=self.device)
+        self._prompt_flat = torch.zeros(
+            max_slots * vocab_size + 1, dtype=torch.bool, device=self.device
+        )
+        self._prompt_seen = self._prompt_flat[:-1].view(max_slots, vocab_size)
+        vocab = torch.arange(vocab_size, dtype=torch.int32, device=self.device)
+        self._vocab_hash = _fmix32_(vocab + _signed(0x9E3779B9, 32))  # [V] int32
+        gen = torch.Generator().manual_seed(seed)
+        self._base_seed = int(torch.randint(-(2**62), 2**62, (1,), generator=gen))
+        self._step = torch.zeros(1, dtype=torch.int64, device=self.device)  # sample() calls
+        self.rules = LogitRules(max_slots, vocab_size, self.device, eos_token_ids)
+
+    # ------------------------------------------------------------------ slot lifecycle
+
+    def add(self, slot: int, params: SamplingParams, num_prompt_tokens: int) -> None:
+        assert not self._active[slot], f"slot {slot} is already taken"
+        top_k = params.top_k if 0 < params.top_k < self.vocab_size else 0
+        self._fparams[slot] = (
+            max(params.temperature, 0.0),
+            params.top_p,
+            params.min_p,
+            params.presence_penalty,
+            params.frequency_penalty,
+            params.repetition_penalty,
+        )
+        seed = 0 if params.seed is None else _signed(params.seed, 64)
+        self._iparams[slot] = (top_k, seed, params.seed is not None, num_prompt_tokens)
+        if params.logprobs is None:
+            self._num_logprobs[slot] = -1
+        else:
+            self._num_logprobs[slot] = min(params.logprobs, self.max_logprobs)
+        penalty = (
+            params.repetition_penalty != 1.0
+            or params.presence_penalty != 0.0
+            or params.frequency_penalty != 0.0
+        )
+        self._has_penalty[slot] = penalty
+        self.rules.add(slot, params)
+        self._active[slot] = True
+        self._dirty = True
+        self._flags = None
+        if penalty:  # counters of slots without penalties are never read
+            self._counts[slot].zero_()
+            self._prompt_seen[slot].zero_()
+
+    def remove(self, slot: int) -> None:
+        assert self._active[slot], f"slot {slot} is not taken"
+        self._active[slot] = False
+        self._has_penalty[slot] = False
+        self._num_logprobs[slot] = -1
+        self.rules.remove(slot)
+        self._flags = None
+
+    def _push(self) -> None:
+        """Upload the parameter tables if a slot changed since the last upload."""
+        if not self._dirty:
+            return
+        for host, dev in ((self._fparams, self._fparams_dev), (self._iparams, self._iparams_dev)):
+            src = torch.from_numpy(host.copy())
+            if self.device.type == "cuda":
+                src = src.pin_memory()  # why: a pinned source makes the copy truly async
+            dev.copy_(src, non_blocking=True)
+        self._dirty = False
+
+    def _batch_index(self, host_slots: np.ndarray | list[int] | None) -> np.ndarray:
+        if host_slots is None:
+            return np.flatnonzero(self._active)
+        index = np.asarray(host_slots, dtype=np.int64)
+        assert self._active[index].all(), "sampling a slot that holds no request"
+        return index
+
+    def flags(self, host_slots: np.ndarray | list[int] | None = None) -> BatchFlags:
+        """Flags over the given host-side slots (all active slots when None).
+
+        why kept while the batch and its slots stay the same: a slot's parameters change only
+        in add / remove, and the dozen numpy calls here took 63 us of a 5 ms batch-1 step,
+        with the caches cold after the forward (AVX-512 EPYC)"""
+        index = self._batch_index(host_slots)
+        key = index.tobytes()
+        if self._flags is not None and self._flags[0] == key:
+            return self._flags[1]
+        fp = self._fparams[index]
+        greedy = fp[:, _TEMP] == 0.0
+        sampled = ~greedy
+        top_k = self._iparams[index, _TOP_K][sampled]
+        top_p = fp[sampled, _TOP_P] < 1.0
+        flags = BatchFlags(
+            all_greedy=bool(greedy.all()),
+            any_greedy=bool(greedy.any()),
+            any_penalty=bool(self._has_penalty[index].any()),
+            max_top_k=int(top_k.max(initial=0)),
+            any_top_p=bool(top_p.any()),
+            top_p_within_top_k=bool((top_k[top_p] > 0).all()),
+            any_min_p=bool((fp[sampled, _MIN_P] > 0.0).any()),
+            max_logprobs=int(self._num_logprobs[index].max(initial=-1)),
+        )
+        if flags.all_greedy and not flags.any_penalty and flags.max_logprobs < 0:
+            plain = not self.rules.has_dynamic[index].any()
+            biased = bool(self.rules.has_any[index].any())
+            flags = dataclasses.replace(flags, plain=plain, biased=biased)
+        self._flags = (key, flags)
+        return flags
+
+    # ------------------------------------------------------------------ per step
+
+    def record(
+        self,
+        slots: torch.Tensor,
+        positions: torch.Tensor,
+        token_ids: torch.Tensor,
+        host_slots: np.ndarray | list[int] | None = None,
+    ) -> None:
+        """Count tokens now in the sequences: slots, positions, token_ids [N] int64 on device.
+
+        Positions below the slot's num_prompt_tokens are prompt (repetition penalty only); the
+        rest are output, which is how a recomputed prefill after preemption stays correct.
+        """
+        index = self._batch_index(host_slots)
+        if host_slots is not None:
+            self.rules.record(index, slots, positions, token_ids)
+        if not self._has_penalty[index].any():
+            return
+        self._push()
+        flat = slots * self.vocab_size + token_ids  # [N] int64
+        is_prompt = positions < self._iparams_dev[slots, _NUM_PROMPT]  # [N] bool
+        spare = self._prompt_flat.numel() - 1
+        self._prompt_flat.index_fill_(0, torch.where(is_prompt, flat, spare), True)
+        self._counts.view(-1).index_add_(0, flat, (~is_prompt).to(torch.int32))
+
+    def record_cached(self, slot: int, token_ids: list[int]) -> None:
+        """Count the ids at positions 0.. of a slot whose KV came from the prefix cache."""
+        n = len(token_ids)
+        slots = torch.full((n,), slot, dtype=torch.int64, device=self.device)
+        positions = torch.arange(n, dtype=torch.int64, device=self.device)
+        ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
+        self.record(slots, positions, ids, [slot])
+
+    def penalized_logits(self, logits: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """logits [B, V] float32 after repetition, frequency and presence penalties."""
+        self._push()
+        fp = self._fparams_dev[slots]  # [B, 6] float32
+        counts = self._counts[slots]  # [B, V] int32
+        in_output = counts > 0
+        seen = in_output | self._prompt_seen[slots]  # [B, V] bool
+        rep = fp[:, _REP, None]  # [B, 1]
+        logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+        return logits - fp[:, _FREQ, None] * counts - fp[:, _PRES, None] * in_output
+
+    def sample(
+        self,
+        logits: torch.Tensor,
+        slots: torch.Tensor,
+        positions: torch.Tensor,
+        host_slots: np.ndarray | list[int] | None = None,
+        constrain: Callable[[torch.Tensor, bool], torch.Tensor] | None = None,
+    ) -> SampleOutput:
+        """One token per row. logits [B, V]; slots, positions [B] int64 on device.
+        constrain(x, inplace) (the grammar masks) limits the logits sampled from, as the logit
+        rules do; logprobs stay the model's (so the raw logits are changed in place only when
+        no row asks for logprobs: a [B, V] copy per step is what the other rows would pay).
+
+        positions holds the position the new token will take (its sequence length so far);
+        seeded rows hash (seed, position), so a recomputed request repeats its tokens.
+        host_slots, the same slots on the host, scopes the stage flags to this batch; without
+        it the flags cover every active slot (correct, sometimes slower).
+        """
+        self._push()
+        flags = self.flags(host_slots)
+        if flags.plain and constrain is None:
+            # why a path of its own: one stream's steps are mostly this (clients that ignore
+            # EOS ban it with a bias), and each call skipped below is a few us with the caches
+            # cold after the forward; a bias took the general path 0.13 ms a step
+            self._step.add_(1)
+            x = logits.float()  # in place below, as rules.apply: no row asked for logprobs
+            if flags.biased and host_slots is not None:
+                self.rules.apply_static(x, np.asarray(host_slots))
+            return _logprobs(logits, _argmax(x), -1, plain=True)
+        logits = logits.float()
+        adjusted = logits
+        inplace = flags.max_logprobs < 0
+        if host_slots is not None:
+            num_prompt = self._iparams_dev[slots, _NUM_PROMPT]
+            host = np.asarray(host_slots)
+            adjusted = self.rules.apply(logits, host, positions, num_prompt, inplace)
+        if constrain is not None:
+            adjusted = constrain(adjusted, inplace or adjusted is not logits)
+        step = self._step.add_(1)  # [1] int64; in place so graph replays advance it
+        batch = logits.shape[0]
+        rows = _CPU_BLOCK_ELEMENTS // self.vocab_size if logits.device.type == "cpu" else batch
+        greedy_only = flags.all_greedy and not flags.any_penalty and flags.max_logprobs < 0
+        if batch <= max(rows, 1) or greedy_only:  # why: an argmax makes no temporaries
+            return self._sample_rows(logits, adjusted, slots, positions, step, 0, flags)
+        # why: on CPU, [rows, V] temporaries that fit in cache beat [B, V] ones several times
+        parts = [
+            self._sample_rows(
+                logits[i : i + rows],
+                adjusted[i : i + rows],
+                slots[i : i + rows],
+                positions[i : i + rows],
+                step,
+                i,
+                flags,
+            )
+            for i in range(0, batch, rows)
+        ]
+        return SampleOutput(
+            torch.cat([p.token_ids for p in parts]),
+            None if parts[0].logprobs is None else torch.cat([p.logprobs for p in parts]),
+            torch.cat([p.top_ids for p in parts]),
+            torch.cat([p.top_logprobs for p in parts]),
+        )
+
+    def _sample_rows(
+        self,
+        logits: torch.Tensor,
+        adjusted: torch.Tensor,
+        slots: torch.Tensor,
+        positions: torch.Tensor,
+        step: torch.Tensor,
+        row0: int,
+        flags: BatchFlags,
+    ) -> SampleOutput:
+        """sample() over rows row0.. of the batch; rows are independent of each other.
+        Sampling reads `adjusted` (the request's logit rules applied); logprobs read `logits`."""
+        x = self.penalized_logits(adjusted, slots) if flags.any_penalty else adjusted
+        if flags.all_greedy:
+            token_ids = _argmax(x)
+        else:
+            token_ids = self._draw(x, slots, positions, step, row0, flags)
+            if flags.any_greedy:
+                greedy = self._fparams_dev[slots, _TEMP] == 0.0  # [B] bool
+                token_ids = torch.where(greedy, _argmax(x), token_ids)
+        return _logprobs(logits, token_ids, flags.max_logprobs)
+
+    def _draw(
+        self,
+        x: torch.Tensor,
+        slots: torch.Tensor,
+        positions: torch.Tensor,
+        step: torch.Tensor,
+        row0: int,
+        flags: BatchFlags,
+    ) -> torch.Tensor:
+        """argmax(probs / q), q ~ Exp(1): an exact draw from probs, which need no renormalizing."""
+        fp = self._fparams_dev[slots]  # [B, 6] float32
+        ip = self._iparams_dev[slots]  # [B, 4] int64
+        temp = fp[:, _TEMP]
+        x = x / torch.where(temp > 0.0, temp, 1.0)[:, None]  # [B, V] float32
+        top_p = fp[:, _TOP_P]
+        if flags.max_top_k:
+            top_k = ip[:, _TOP_K]  # [B], 0 disables
+            kth = x.topk(flags.max_top_k, dim=-1, sorted=True).values  # [B, K] descending
+            cutoff = kth.gather(1, (top_k.clamp(1, flags.max_top_k) - 1)[:, None])  # [B, 1]
+            cutoff = torch.where(top_k[:, None] > 0, cutoff, -torch.inf)
+            if flags.any_top_p and flags.top_p_within_top_k:
+                # why: every top_p row also has top_k, so its nucleus lies among the K sorted
+                # candidates and no full-vocab sort is needed
+                kth = kth.masked_fill(kth < cutoff, -torch.inf)
+                cutoff = torch.maximum(cutoff, _top_p_cutoff(kth, torch.softmax(kth, -1), top_p))
+            x = x.masked_fill(x < cutoff, -torch.inf)
+        probs = torch.softmax(x, dim=-1)  # [B, V] float32
+        nucleus = flags.any_top_p and not flags.top_p_within_top_k
+        sort_free = nucleus and _CPU_SORT_FREE_TOP_P and x.device.type == "cpu"
+        nucleus_probs = probs  # [B, V] what top_p measures: after top_k, before min_p
+        if nucleus and not sort_free:
+            ordered = probs.sort(dim=-1, descending=True).values  # [B, V]
+            probs = probs.masked_fill(probs < _top_p_cutoff(ordered, ordered, top_p), 0.0)
+        if flags.any_min_p:
+            floor = fp[:, _MIN_P, None] * probs.amax(dim=-1, keepdim=True)  # [B, 1]
+            probs = probs.masked_fill(probs < floor, 0.0)
+        seeded_key = mix64(mix64(ip[:, _SEED]) ^ positions)  # [B] int64
+        rows = torch.arange(row0, row0 + x.shape[0], device=x.device)
+        free_key = mix64(mix64(step + (self._base_seed ^ _UNSEEDED_SALT)) ^ rows)
+        keys = torch.where(ip[:, _HAS_SEED] != 0, seeded_key, free_key)  # [B] int64
+        if sort_free:
+            ratio = probs.div(exponentials(keys, self._vocab_hash))  # [B, V]
+            return nucleus_argmax(ratio, nucleus_probs, top_p)
+        return _argmax(probs.div_(exponentials(keys, self._vocab_hash)))
+
+
+def _argmax(x: torch.Tensor) -> torch.Tensor:
+    """x [B, V] -> [B] int64, the first index of each row's max.
+
+    why numpy on the cpu: torch's max with indices took 362 us over [32, 49152] float32,
+    numpy's argmax 65 (AVX-512 EPYC, 2 threads); elsewhere max's kernel, faster than argmax's"""
+    if x.device.type == "cpu" and x.dtype == torch.float32:
+        return torch.from_numpy(np.argmax(x.numpy(), axis=-1))
+    return x.max(dim=-1).indices
+
+
+def _logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, max_logprobs: int, plain: bool = False
+) -> SampleOutput:
+    """Raw model logprobs of the chosen tokens and the top max_logprobs ids (-1: none asked);
+    `plain` marks the output of a plain batch (SampleOutput.plain)."""
+    batch = logits.shape[0]
+    if max_logprobs < 0:
+        empty_ids = torch.empty((batch, 0), dtype=torch.int64, device=logits.device)
+        empty = torch.empty((batch, 0), dtype=torch.float32, device=logits.device)
+        return SampleOutput(token_ids, None, empty_ids, empty, plain=plain)
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # [B, 1]
+    logprobs = (logits.gather(1, token_ids[:, None]) - lse).squeeze(1)  # [B]
+    top_vals, top_ids = logits.topk(max_logprobs, dim=-1, sorted=True)  # [B, K]
+    return SampleOutput(token_ids, logprobs, top_ids, top_vals - lse)
+
+
+def _top_p_cutoff(
+    ordered: torch.Tensor, ordered_probs: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    """[B, 1] smallest value of `ordered` inside the nucleus: the shortest prefix whose mass
+    reaches top_p. ordered [B, N] sorted descending, ordered_probs [B, N] their probs, top_p [B].
+
+    Rows with top_p >= 1 get -inf: a float32 cumsum can reach 1 early and would cut a tail
+    that should stay.
+    """
+    before = ordered_probs.cumsum(dim=-1) - ordered_probs  # [B, N] mass ahead of each entry
+    num_kept = (before < top_p[:, None]).sum(dim=-1, keepdim=True)  # [B, 1], >= 1
+    cutoff = ordered.gather(1, num_kept - 1)  # [B, 1]
+    return torch.where(top_p[:, None] < 1.0, cutoff, -torch.inf)

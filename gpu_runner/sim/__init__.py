@@ -1,0 +1,1 @@
+"""The sim device: a timing model of an accelerator, no weights."""

@@ -1,0 +1,224 @@
+"""The supervisor behind `gapless serve`: spawns every process, waits for READY, watches them,
+and shuts them down in stages."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import msgspec
+import zmq
+
+from gapless import shm
+from gapless.common import metrics
+from gapless.common.channel import Receiver, Sender
+from gapless.common.config import CONFIG_ENV, EngineConfig, encode_config
+from gapless.common.logs import setup_logging
+from gapless.common.messages import ControlMessage, EngineDead, Fatal, Ready, Shutdown
+from gapless.common.metrics import MULTIPROC_ENV
+from gapless.common.process import CONTROL, CORE_IN, DETOK_IN, RUNNER_IN, frontend_socket
+from gapless.shm.names import pid_alive
+
+ENGINE_ROLES = ("gpu_runner", "core", "detokenizer")
+RUN_PREFIX = "gapless-"
+
+
+log = logging.getLogger("gapless.supervisor")
+
+
+def _log(msg: str) -> None:
+    log.info(msg)
+
+
+def make_run_dir() -> str:
+    """A private 0700 directory for this run's ipc sockets; stale ones of dead runs go first."""
+    base = Path(tempfile.gettempdir())
+    for old in base.glob(RUN_PREFIX + "*"):
+        try:
+            pid = int(old.name.split("-")[1])
+        except (IndexError, ValueError):
+            continue
+        if not pid_alive(pid):
+            shutil.rmtree(old, ignore_errors=True)
+    shm.sweep_stale()  # rings a killed run could not unlink
+    return tempfile.mkdtemp(prefix=f"{RUN_PREFIX}{os.getpid()}-", dir=base)
+
+
+def device_note(info: dict[str, int]) -> str:
+    """What the cuda runner's READY adds to the ready line: the KV cache's size, the memory
+    budget it was sized in, and that every kernel was built and run."""
+    if "kv_cache_bytes" not in info:
+        return ""
+    gib = 2**30
+    note = f", KV cache {info['kv_cache_bytes'] / gib:.2f} GiB"
+    if "memory_budget_bytes" in info:
+        share = info["memory_budget_bytes"] / info["memory_total_bytes"]
+        note += (
+            f" of a {info['memory_budget_bytes'] / gib:.2f} GiB budget "
+            f"({share:.2f} of {info['memory_total_bytes'] / gib:.2f} GiB)"
+        )
+    return note + ", kernels built and warmed up"
+
+
+class EngineFailed(Exception):
+    pass
+
+
+class Supervisor:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        # every process writes its Prometheus series here; removed with the run directory
+        self.metrics_dir = os.path.join(config.run_dir, "metrics")
+        os.makedirs(self.metrics_dir, mode=0o700, exist_ok=True)
+        metrics.write_to(self.metrics_dir)  # the control socket's bad-frame count, say
+        self.ctx = zmq.Context()
+        self.control: Receiver[ControlMessage] = Receiver(
+            self.ctx, config.ipc(CONTROL), ControlMessage
+        )
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.stopping = False
+
+    def spawn(self, role: str, *args: str) -> None:
+        env = dict(
+            os.environ,
+            **{CONFIG_ENV: encode_config(self.config), MULTIPROC_ENV: self.metrics_dir},
+        )
+        name = role if not args else f"{role}{args[0]}"
+        self.procs[name] = subprocess.Popen(
+            [sys.executable, "-m", "gapless.launch.worker", role, *args],
+            env=env,
+            stdin=subprocess.DEVNULL,
+        )
+
+    def wait_ready(self, names: list[str]) -> dict[str, Ready]:
+        pending, ready = set(names), {}
+        while pending:
+            if self.stopping:
+                raise EngineFailed("stopped while starting")
+            self.check_alive()
+            msg = self.control.recv(timeout_ms=100)
+            match msg:
+                case Ready(role=role):
+                    key = next((n for n in pending if n.startswith(role)), None)
+                    if key:
+                        pending.discard(key)
+                        ready[key] = msg
+                case Fatal(role=role, message=message):
+                    raise EngineFailed(f"{role} failed: {message}")
+        return ready
+
+    def check_alive(self) -> None:
+        for name, proc in self.procs.items():
+            code = proc.poll()
+            if code is not None:
+                raise EngineFailed(f"process {name} (pid {proc.pid}) exited with code {code}")
+
+    def watch(self) -> None:
+        """Until a stop is asked for: raise EngineFailed when any process dies or reports FATAL."""
+        while not self.stopping:
+            self.check_alive()
+            match self.control.recv(timeout_ms=100):
+                case Fatal(role=role, message=message):
+                    raise EngineFailed(f"{role} failed: {message}")
+
+    def tell_frontends_dead(self, reason: str) -> None:
+        for i in range(self.config.api_servers):
+            name = f"frontend{i}"
+            if name in self.procs and self.procs[name].poll() is None:
+                s: Sender = Sender(self.ctx, self.config.ipc(frontend_socket(i)))
+                s.send(EngineDead(reason=reason))
+                s.socket.close(linger=200)
+
+    def stop_frontends(self, timeout: float) -> None:
+        fronts = [p for n, p in self.procs.items() if n.startswith("frontend")]
+        for p in fronts:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        _wait_all(fronts, timeout)
+
+    def stop_engine(self, timeout: float = 5.0) -> None:
+        for addr in (CORE_IN, RUNNER_IN, DETOK_IN):
+            s: Sender = Sender(self.ctx, self.config.ipc(addr))
+            s.send(Shutdown())
+            s.socket.close(linger=200)
+        engine = [p for n, p in self.procs.items() if not n.startswith("frontend")]
+        _wait_all(engine, timeout)
+
+    def close(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.kill()
+        for p in self.procs.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(5)
+        self.control.close()
+        self.ctx.destroy(linger=0)
+        shutil.rmtree(self.config.run_dir, ignore_errors=True)
+        shm.cleanup_run(shm.run_id_of(self.config.run_dir))
+
+
+def _wait_all(procs: list[subprocess.Popen], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            p.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+def serve(config: EngineConfig) -> int:
+    """Runs the whole engine until SIGTERM/SIGINT (exit 0) or a process dies (exit 1)."""
+    setup_logging(config.log_level, config.log_format, "supervisor")
+    config = msgspec.structs.replace(config, run_dir=make_run_dir())
+    sup = Supervisor(config)
+
+    def on_signal(signum, _frame) -> None:
+        if sup.stopping:
+            return
+        sup.stopping = True
+        _log(f"{signal.Signals(signum).name}: draining in-flight requests, then stopping")
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        _log(f"loading {config.model.path} on {config.device} ...")
+        t0 = time.monotonic()
+        for role in ENGINE_ROLES:
+            sup.spawn(role)
+        ready = sup.wait_ready(list(ENGINE_ROLES))
+        # block 0 is reserved for padding; report what requests can hold, as /metrics does
+        blocks = max(0, ready["core"].info.get("num_kv_blocks", 0) - 1)
+        _log(
+            f"engine ready in {time.monotonic() - t0:.1f}s: {config.model.architecture}, "
+            f"{blocks} KV blocks of "
+            f"{config.block_size} tokens ({blocks * config.block_size} tokens)"
+            + device_note(ready["gpu_runner"].info)
+        )
+        for i in range(config.api_servers):
+            sup.spawn("frontend", str(i))
+        sup.wait_ready([f"frontend{i}" for i in range(config.api_servers)])
+        _log(f"serving {config.served_model_name} on http://{config.host}:{config.port}")
+        sup.watch()
+    except EngineFailed as e:
+        if sup.stopping and str(e) == "stopped while starting":
+            sup.close()
+            return 0
+        log.error(f"engine failed: {e}")
+        sup.tell_frontends_dead(str(e))
+        time.sleep(config.dead_engine_grace_s)
+        sup.close()
+        return 1
+    # a stop was asked for: frontends drain first, then the engine stops
+    sup.stop_frontends(config.drain_timeout_s + 5)
+    sup.stop_engine()
+    sup.close()
+    _log("stopped")
+    return 0
