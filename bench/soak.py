@@ -161,22 +161,36 @@ def _counters(text: str) -> dict[str, float]:
         "gapless_slow_clients_total": "slow_clients",
         "gapless_requests_aborted_total": "aborted",
     }
-    out = dict.fromkeys(names.values(), 0.0)
+    out = dict.fromkeys(
+        [*names.values(), "finished_length", "finished_abort", "finished_other"], 0.0
+    )
     for line in text.splitlines():
         name = line.split("{", 1)[0].split(" ", 1)[0]
+        value = float(line.rsplit(" ", 1)[1]) if name and not name.startswith("#") else 0.0
         if name in names:
-            out[names[name]] += float(line.rsplit(" ", 1)[1])
+            out[names[name]] += value
+        elif name == "gapless_requests_finished_total":
+            reason = line.split('finish_reason="', 1)[1].split('"', 1)[0]
+            out[f"finished_{reason if reason in ('length', 'abort') else 'other'}"] += value
     return out
 
 
 def _counters_exact(counters: dict[str, float], tally: Tally, hostile: HostileTally) -> dict:
-    """Each counter against what the clients saw: every 4xx a client got was counted as
-    rejected, every cut non-reader as a slow client, every cancel as an abort."""
-    cut = sum(c["cut"] for c in hostile.outcomes.values())
+    """The counters against what the clients saw: every 4xx a client got was counted as
+    rejected and every cut non-reader as a slow client; every request that reached the engine
+    ended there by length or abort (the load asks ignore_eos), and the engine's aborts are the
+    frontend's disconnects and cuts. A cancel may come after the engine finished its request
+    (the client was still reading what was sent), so cancels bound the disconnects from above."""
+    c = counters
+    cut = sum(o["cut"] for o in hostile.outcomes.values())
+    reached = tally.completed + tally.cancelled + cut
     return {
-        "rejected": counters["rejected"] == hostile.refused(),
-        "slow_clients": counters["slow_clients"] == cut,
-        "aborted": counters["aborted"] == tally.cancelled,
+        "rejected": c["rejected"] == hostile.refused(),
+        "slow_clients": c["slow_clients"] == cut,
+        "engine_finished": c["finished_length"] + c["finished_abort"] == reached
+        and c["finished_other"] == 0,
+        "engine_aborts": c["finished_abort"] == c["aborted"] + c["slow_clients"],
+        "disconnects": c["aborted"] <= tally.cancelled,
     }
 
 
@@ -226,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
         tally, hostile = Tally(), HostileTally()
         start = time.monotonic()
         baseline: dict[str, int] = {}
-        hold_s = args.write_timeout + 3.0  # a non-reader looks for its cut after this
+        # a non-reader looks for its cut after this: its buffers fill, then the write timeout
+        hold_s = args.write_timeout + 15.0
 
         async def soak() -> None:
             until = start + args.duration
