@@ -86,7 +86,8 @@ async def non_reader(
 ) -> tuple[str, float]:
     """A stream whose client reads nothing for hold_s, then reads what is there: `cut` when the
     server had ended it (a 200 stream whose last event is a slow_reader error, then the
-    connection closed), else `not_cut`, `closed_without_error` or the status it got."""
+    connection closed), `cut_unread` when the server had ended it and then reset the connection
+    as its last event stayed unread, else `not_cut`, `closed_without_error` or the status."""
     request = {"model": model, "prompt": "tell me a story", "max_tokens": max_tokens,
                "ignore_eos": True, "stream": True}  # fmt: skip
     body = json.dumps(request).encode()
@@ -104,15 +105,15 @@ async def non_reader(
         sent = time.monotonic()
         await asyncio.sleep(hold_s)
         data = bytearray()
-        closed = False
+        closed = reset = False
         deadline = time.monotonic() + 10.0
         while time.monotonic() < deadline:  # drains what the server wrote before it cut
             try:
                 chunk = await asyncio.wait_for(loop.sock_recv(sock, 1 << 16), 2.0)
             except asyncio.TimeoutError:  # open, and nothing more came: still streaming
                 break
-            except ConnectionResetError:
-                closed = True
+            except ConnectionResetError:  # the server gave up on our reading its last event
+                closed = reset = True
                 break
             if not chunk:
                 closed = True
@@ -124,8 +125,9 @@ async def non_reader(
             return status, took
         if not closed:
             return "not_cut", took
-        cut = b'"code":"slow_reader"' in data[-4096:]
-        return ("cut" if cut else "closed_without_error"), took
+        if b'"code":"slow_reader"' in data[-4096:]:
+            return "cut", took
+        return ("cut_unread" if reset else "closed_without_error"), took
     finally:
         sock.close()
 
@@ -143,7 +145,7 @@ async def hostile_worker(
             try:
                 if kind == "non_reader":
                     outcome, took = await non_reader(host, int(port), model, hold_s)
-                    if outcome == "cut":
+                    if outcome.startswith("cut"):
                         tally.cut_s.append(took)
                 else:
                     send = {"schema": _schema, "long_prompt": _long_prompt, "bad_json": _bad_json}

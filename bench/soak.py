@@ -176,20 +176,21 @@ def _counters(text: str) -> dict[str, float]:
 
 
 def _counters_exact(counters: dict[str, float], tally: Tally, hostile: HostileTally) -> dict:
-    """The counters against what the clients saw: every 4xx a client got was counted as
-    rejected and every cut non-reader as a slow client; every request that reached the engine
-    ended there by length or abort (the load asks ignore_eos), and the engine's aborts are the
-    frontend's disconnects and cuts. A cancel may come after the engine finished its request
-    (the client was still reading what was sent), so cancels bound the disconnects from above."""
+    """The counters against what the clients saw. Exact: every 4xx a client got was counted as
+    rejected, every cut non-reader as a slow client, and every request that reached the engine
+    ended there by length or abort (the load asks ignore_eos). Bounds, as a disconnect races
+    the end: a client may cancel after the engine finished its request (it was still reading),
+    and the frontend may see a disconnect after the engine's last delta; so the engine's aborts
+    are at most the frontend's disconnects and cuts, and those at most the cancels and cuts."""
     c = counters
-    cut = sum(o["cut"] for o in hostile.outcomes.values())
+    cut = sum(n for o in hostile.outcomes.values() for k, n in o.items() if k.startswith("cut"))
     reached = tally.completed + tally.cancelled + cut
     return {
         "rejected": c["rejected"] == hostile.refused(),
         "slow_clients": c["slow_clients"] == cut,
         "engine_finished": c["finished_length"] + c["finished_abort"] == reached
         and c["finished_other"] == 0,
-        "engine_aborts": c["finished_abort"] == c["aborted"] + c["slow_clients"],
+        "engine_aborts": c["finished_abort"] <= c["aborted"] + c["slow_clients"],
         "disconnects": c["aborted"] <= tally.cancelled,
     }
 
@@ -241,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         start = time.monotonic()
         baseline: dict[str, int] = {}
         # a non-reader looks for its cut after this: its buffers fill, then the write timeout
-        hold_s = args.write_timeout + 15.0
+        hold_s = args.write_timeout + 10.0
 
         async def soak() -> None:
             until = start + args.duration
@@ -301,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         proc.wait()
     s, k = report["soak"], report["kill"]
     hostile_ok = all(
-        set(outcomes) <= {"400", "413", "429", "cut"}
+        set(outcomes) <= {"400", "413", "429", "cut", "cut_unread"}
         for outcomes in s["hostile"]["outcomes"].values()
     )
     ok = (
