@@ -2,28 +2,14 @@
 
 from __future__ import annotations
 
-import time
-import uuid
-
-import msgspec
-
 from gapless.common.config import EngineConfig
 from gapless.common.messages import TextDelta
 from gapless.frontend.asgi import HttpRequest, Responder, encoder
-from gapless.frontend.errors import bad_request, decode_body
-from gapless.frontend.generation import ChoiceResult, Job, respond
-from gapless.frontend.openai_fields import CHAT_REFUSED, check_fields, struct_fields
-from gapless.frontend.params import (
-    check_cache_salt,
-    check_logprobs,
-    check_max_tokens,
-    check_min_tokens,
-    check_model,
-    check_n,
-    per_choice,
-    resolve_max_tokens,
-    sampling_params,
-)
+from gapless.frontend.errors import bad_request
+from gapless.frontend.generation import ChoiceResult
+from gapless.frontend.openai_fields import CHAT_REFUSED
+from gapless.frontend.params import check_logprobs
+from gapless.frontend.prelude import Prelude, Route
 from gapless.frontend.protocol import ChatCompletionRequest
 from gapless.frontend.responses import (
     AssistantMessage,
@@ -40,12 +26,9 @@ from gapless.frontend.responses import (
     chat_logprobs,
 )
 from gapless.frontend.state import FrontendState
-from gapless.frontend.tenants import Caller, cache_scope_of, priority_of, tenant_of
+from gapless.frontend.tenants import Caller
 from gapless.frontend.tool_parsers import Parsed, ToolParser, make_parser
 from gapless.frontend.tools import plan_tools, template_messages
-
-_decoder = msgspec.json.Decoder(ChatCompletionRequest)
-_KNOWN = struct_fields(ChatCompletionRequest)
 
 
 class ChatChunks:
@@ -114,8 +97,8 @@ class ChatChunks:
     def _split(self, index: int) -> tuple[bytes, bytes]:
         """A text-only chunk's encoding cut around its content string, so each later one is
         two concatenations and the text's own encoding (the same bytes as encoding the whole
-        chunk, a third of its cost at 256 streams). Inside a JSON string every quote is
-        escaped, so the marker is found only where the content is."""
+        chunk, for less than encoding it; bench/RESULTS.md, "SSE ceiling"). Inside a JSON
+        string every quote is escaped, so the marker is found only where the content is."""
         whole = self._encode([ChatChunkChoice(index, ChatDelta(content=""))])
         head, marker, tail = whole.rpartition(b'"content":""')
         assert marker, whole
@@ -155,32 +138,22 @@ def _logprobs(body: ChatCompletionRequest, config: EngineConfig) -> int | None:
     return check_logprobs(body.top_logprobs or 0, "top_logprobs", config)
 
 
+def _budget(body: ChatCompletionRequest) -> tuple[int | None, str]:
+    if body.max_completion_tokens is not None:
+        return body.max_completion_tokens, "max_completion_tokens"
+    return body.max_tokens, "max_tokens"
+
+
+CHAT = Route("chat", ChatCompletionRequest, CHAT_REFUSED, "chatcmpl", _budget, _logprobs)
+
+
 async def handle_chat(
     state: FrontendState, req: HttpRequest, out: Responder, caller: Caller
 ) -> None:
-    arrival = time.time()
-    config = state.config
-    raw = await req.body(config.max_body_bytes)
-    received = time.perf_counter()  # the whole request is here: admission's clock starts
-    body = decode_body(_decoder, raw)
-    check_fields(raw, "chat", _KNOWN, CHAT_REFUSED)
-    check_model(body.model, config)
-    n = check_n(body.n, config)
-    budget_name = (
-        "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
-    )
-    max_tokens = check_max_tokens(
-        body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens,
-        budget_name,
-        config,
-    )
-    logprobs = _logprobs(body, config)
-    bad_words = await state.prompter.bad_words_ids(body.bad_words)
-    base = sampling_params(body, 1, logprobs, config, bad_words)
-    prompter = state.prompter
-    tenant = tenant_of(caller, req.headers.get("x-tenant"), body.user)
-    tools = await plan_tools(body, prompter.grammars, tenant)
-    grammar = await prompter.grammars.response_format(body.response_format, tenant)
+    pre = await Prelude.read(state, req, out, caller, CHAT)
+    body, prompter, logprobs = pre.body, state.prompter, pre.logprobs
+    tools = await plan_tools(body, prompter.grammars, pre.tenant)
+    grammar = await prompter.grammars.response_format(body.response_format, pre.tenant)
     if grammar is not None and tools.grammar is not None:
         raise bad_request(
             "response_format cannot be combined with a required or named tool_choice",
@@ -188,17 +161,10 @@ async def handle_chat(
         )
     grammar = grammar or tools.grammar
     if grammar is not None:
-        base = msgspec.structs.replace(base, grammar=grammar)
-    parser = make_parser(config.tool_call_parser) if tools.read_calls else None
+        pre.sampling["grammar"] = grammar
+    parser = make_parser(state.config.tool_call_parser) if tools.read_calls else None
     parallel = body.parallel_tool_calls is not False
     messages = template_messages(body.messages, tools, prompter.chat_template.takes_tools, parallel)
-    priority = priority_of(body.priority, tenant, config)
-    salt = cache_scope_of(tenant, check_cache_salt(body.cache_salt), config)
-    response_id, created, model = (
-        f"chatcmpl-{uuid.uuid4().hex}",
-        int(arrival),
-        config.served_model_name,
-    )
 
     def build(choices: list[ChoiceResult], usage: Usage) -> ChatCompletion:
         out_choices = []
@@ -207,12 +173,14 @@ async def handle_chat(
             lp = chat_logprobs(c.logprobs) if logprobs is not None else None
             out_choices.append(ChatChoice(i, message, lp, reason))
         return ChatCompletion(
-            id=response_id, created=created, model=model, choices=out_choices, usage=usage
+            id=pre.response_id,
+            created=pre.created,
+            model=pre.model,
+            choices=out_choices,
+            usage=usage,
         )
 
-    # admission (README, "Admission control"): the request caps before the chat template and
-    # tokenizing, the token cap after; the ticket counts the request until its choices start
-    with state.admission.admit(tenant, n, received) as ticket:
+    with pre.admit() as ticket:
         prompt_ids = await prompter.chat_ids(
             messages,
             tools=tools.offered if prompter.chat_template.takes_tools else None,
@@ -221,29 +189,10 @@ async def handle_chat(
             continue_final_message=body.continue_final_message,
             kwargs=body.chat_template_kwargs,
         )
-        budget = resolve_max_tokens(max_tokens, budget_name, len(prompt_ids), "messages", config)
-        check_min_tokens(base, budget, budget_name)
-        state.admission.admit_tokens(ticket, len(prompt_ids), received)
-        params = per_choice(msgspec.structs.replace(base, max_tokens=budget), n)
-        rid = state.engine.next_request_id()
-        job = Job(
-            "chat",
-            rid,
-            [prompt_ids] * n,
-            params,
-            tenant,
-            priority,
-            arrival,
-            ticket,
-            cache_salt=salt,
+        params = pre.params(prompt_ids, "messages")
+        pre.admit_tokens(ticket, [prompt_ids])
+        job = pre.job(ticket, [prompt_ids], [params])
+        fmt = ChatChunks(
+            pre.response_id, pre.created, pre.model, logprobs is not None, parser, pre.n
         )
-        await respond(
-            state,
-            job,
-            req,
-            out,
-            streaming=bool(body.stream),
-            include_usage=bool(body.stream_options and body.stream_options.include_usage),
-            fmt=ChatChunks(response_id, created, model, logprobs is not None, parser, n),
-            build=build,
-        )
+        await pre.respond(job, fmt, build)

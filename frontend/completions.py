@@ -2,27 +2,13 @@
 
 from __future__ import annotations
 
-import time
-import uuid
-
-import msgspec
-
+from gapless.common.config import EngineConfig
 from gapless.common.messages import TextDelta
 from gapless.frontend.asgi import HttpRequest, Responder, encoder
-from gapless.frontend.errors import decode_body
-from gapless.frontend.generation import ChoiceResult, Job, respond
-from gapless.frontend.openai_fields import COMPLETION_REFUSED, check_fields, struct_fields
-from gapless.frontend.params import (
-    check_cache_salt,
-    check_logprobs,
-    check_max_tokens,
-    check_min_tokens,
-    check_model,
-    check_n,
-    per_choice,
-    resolve_max_tokens,
-    sampling_params,
-)
+from gapless.frontend.generation import ChoiceResult
+from gapless.frontend.openai_fields import COMPLETION_REFUSED
+from gapless.frontend.params import check_logprobs
+from gapless.frontend.prelude import Prelude, Route
 from gapless.frontend.prompts import CompletionPrompt
 from gapless.frontend.protocol import CompletionRequest
 from gapless.frontend.responses import (
@@ -33,13 +19,9 @@ from gapless.frontend.responses import (
     completion_logprobs,
 )
 from gapless.frontend.state import FrontendState
-from gapless.frontend.tenants import Caller, cache_scope_of, priority_of, tenant_of
-
-_decoder = msgspec.json.Decoder(CompletionRequest)
-
+from gapless.frontend.tenants import Caller
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-_KNOWN = struct_fields(CompletionRequest)
 
 
 class CompletionChunks:
@@ -106,30 +88,26 @@ class CompletionChunks:
         return Completion(id=rid, created=created, model=model, choices=choices, usage=usage)
 
 
+def _budget(body: CompletionRequest) -> tuple[int | None, str]:
+    return DEFAULT_MAX_TOKENS if body.max_tokens is None else body.max_tokens, "max_tokens"
+
+
+def _logprobs(body: CompletionRequest, config: EngineConfig) -> int | None:
+    return check_logprobs(body.logprobs, "logprobs", config)
+
+
+COMPLETIONS = Route(
+    "completions", CompletionRequest, COMPLETION_REFUSED, "cmpl", _budget, _logprobs
+)
+
+
 async def handle_completions(
     state: FrontendState, req: HttpRequest, out: Responder, caller: Caller
 ) -> None:
-    arrival = time.time()
-    config = state.config
-    raw = await req.body(config.max_body_bytes)
-    received = time.perf_counter()  # the whole request is here: admission's clock starts
-    body = decode_body(_decoder, raw)
-    check_fields(raw, "completions", _KNOWN, COMPLETION_REFUSED)
-    check_model(body.model, config)
-    n = check_n(body.n, config)
-    if body.max_tokens is None:
-        body.max_tokens = DEFAULT_MAX_TOKENS
-    max_tokens = check_max_tokens(body.max_tokens, "max_tokens", config)
-    logprobs = check_logprobs(body.logprobs, "logprobs", config)
-    bad_words = await state.prompter.bad_words_ids(body.bad_words)
-    base = sampling_params(body, 1, logprobs, config, bad_words)
+    pre = await Prelude.read(state, req, out, caller, COMPLETIONS)
+    body, logprobs = pre.body, pre.logprobs
     if body.echo and logprobs is not None:
-        base = msgspec.structs.replace(base, prompt_logprobs=logprobs)
-    tenant = tenant_of(caller, req.headers.get("x-tenant"), body.user)
-    priority = priority_of(body.priority, tenant, config)
-    salt = cache_scope_of(tenant, check_cache_salt(body.cache_salt), config)
-    response_id, created, model = f"cmpl-{uuid.uuid4().hex}", int(arrival), config.served_model_name
-
+        pre.sampling["prompt_logprobs"] = logprobs
     echoed: list[str] | None = None
     first_tokens: list[str] | None = None
 
@@ -152,58 +130,30 @@ async def handle_completions(
             for i, c in enumerate(choices)
         ]
         return Completion(
-            id=response_id, created=created, model=model, choices=out_choices, usage=usage
+            id=pre.response_id,
+            created=pre.created,
+            model=pre.model,
+            choices=out_choices,
+            usage=usage,
         )
 
-    # admission (README, "Admission control"): the request caps before tokenizing, the token
-    # cap after; the ticket counts the request as queued until its choices start
-    num_prompts = len(body.prompt) if _is_batch(body.prompt) else 1
-    with state.admission.admit(tenant, n * num_prompts, received) as ticket:
+    with pre.admit(len(body.prompt) if _is_batch(body.prompt) else 1) as ticket:
         prompts = await state.prompter.completion_prompts(body.prompt)
-        params, choice_prompts = [], []
-        for prompt_ids in prompts:
-            budget = resolve_max_tokens(max_tokens, "max_tokens", len(prompt_ids), "prompt", config)
-            check_min_tokens(base, budget, "max_tokens")
-            params += per_choice(msgspec.structs.replace(base, max_tokens=budget), n)
-            choice_prompts += [prompt_ids] * n
-        num_prompt_tokens = sum(len(p) for p in prompts)
-        state.admission.admit_tokens(ticket, num_prompt_tokens, received)
+        params = [pre.params(prompt_ids, "prompt") for prompt_ids in prompts]
+        pre.admit_tokens(ticket, prompts)
+        job = pre.job(ticket, prompts, params)
         if body.echo:
-            texts = _prompt_texts(body.prompt, prompts, state)
-            echoed = [texts[i // n] for i in range(len(params))]
-            firsts = [state.prompter.decode(p[:1]) for p in prompts]
-            first_tokens = [firsts[i // n] for i in range(len(params))]
-        rid = state.engine.next_request_id()
-        job = Job(
-            "completions",
-            rid,
-            choice_prompts,
-            params,
-            tenant,
-            priority,
-            arrival,
-            ticket,
-            cache_salt=salt,
-            num_prompt_tokens=num_prompt_tokens,
+            echoed, first_tokens = _echoed(body.prompt, prompts, pre.n, state)
+        fmt = CompletionChunks(
+            pre.response_id,
+            pre.created,
+            pre.model,
+            len(job.params),
+            logprobs is not None,
+            echoed,
+            first_tokens,
         )
-        await respond(
-            state,
-            job,
-            req,
-            out,
-            streaming=bool(body.stream),
-            include_usage=bool(body.stream_options and body.stream_options.include_usage),
-            fmt=CompletionChunks(
-                response_id,
-                created,
-                model,
-                len(params),
-                logprobs is not None,
-                echoed,
-                first_tokens,
-            ),
-            build=build,
-        )
+        await pre.respond(job, fmt, build)
 
 
 def _is_batch(prompt: CompletionPrompt) -> bool:
@@ -211,12 +161,13 @@ def _is_batch(prompt: CompletionPrompt) -> bool:
     return isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
 
 
-def _prompt_texts(
-    prompt: CompletionPrompt, ids: list[list[int]], state: FrontendState
-) -> list[str]:
-    """Each prompt's text as echoed: text prompts as given, token ids decoded."""
+def _echoed(
+    prompt: CompletionPrompt, ids: list[list[int]], n: int, state: FrontendState
+) -> tuple[list[str], list[str]]:
+    """Per choice (n per prompt): its prompt's text as echoed (text prompts as given, token
+    ids decoded), and its prompt's first token."""
     given = prompt if _is_batch(prompt) else [prompt]
-    return [
-        p if isinstance(p, str) else state.prompter.decode(i)
-        for p, i in zip(given, ids, strict=True)
-    ]
+    decode = state.prompter.decode
+    texts = [p if isinstance(p, str) else decode(i) for p, i in zip(given, ids, strict=True)]
+    firsts = [decode(p[:1]) for p in ids]
+    return [t for t in texts for _ in range(n)], [f for f in firsts for _ in range(n)]

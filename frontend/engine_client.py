@@ -1,7 +1,8 @@
 """The frontend's side of the engine: send AddRequest / Abort, fan TextDeltas out per request.
 
 One listener task reads the frontend's return socket and hands each TextDelta to the inbox of
-the request it belongs to; `generate` yields from that inbox and aborts on early exit.
+the request it belongs to (`add` routes a request's choices there, `remove` stops it and aborts
+what still runs); a RequestStream (frontend/stream.py) takes from that inbox.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import asyncio
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
 import zmq
 import zmq.asyncio
@@ -28,64 +29,16 @@ from gapless.common.messages import (
     GetTimeline,
     Heartbeat,
     QueueState,
-    SamplingParams,
-    TextDelta,
     TextDeltas,
     Timeline,
 )
 from gapless.common.process import CORE_IN, frontend_socket
-from gapless.frontend.inbox import IDLE as _IDLE
-from gapless.frontend.inbox import Inbox
+from gapless.frontend.inbox import Inbox, coalesced
 from gapless.frontend.queue_view import QueueView, Ticket
 
 log = logging.getLogger("gapless.frontend")
 
-_DEAD = object()  # inbox marker: the engine died while the request was in flight
-
-
-def _joined(deltas: list[TextDelta]) -> TextDelta:
-    """Deltas of one engine request, in order, as one (copied once, however many)."""
-    first, last = deltas[0], deltas[-1]
-    logprobs = None
-    if any(d.logprobs is not None for d in deltas):
-        logprobs = [lp for d in deltas if d.logprobs for lp in d.logprobs]
-    prompt_logprobs = next(
-        (d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None
-    )
-    return TextDelta(
-        first.request_id,
-        "".join([d.text for d in deltas]),
-        [t for d in deltas for t in d.token_ids],
-        last.num_prompt_tokens,
-        last.num_output_tokens,
-        last.finish_reason,
-        logprobs,
-        last.error,
-        last.code,
-        num_cached_tokens=last.num_cached_tokens,
-        prompt_logprobs=prompt_logprobs,
-    )
-
-
-def _coalesced(items: list[tuple[TextDelta, float]]) -> list[tuple[TextDelta, float]]:
-    """Queued (delta, received) items as one delta per engine request, in the order each
-    request first appears, its own deltas joined in order; the received time is the first's,
-    so the delivery latency counts from the oldest token.
-
-    A consumer that keeps up takes one item at a time and this changes nothing; one that fell
-    behind (a slow client, a busy event loop) sends one SSE event per choice for everything
-    that waited instead of one per step, which is what lets it catch up."""
-    groups: dict[str, list[tuple[TextDelta, float]]] = {}
-    for item in items:
-        group = groups.get(item[0].request_id)
-        if group is None:
-            groups[item[0].request_id] = [item]
-        else:
-            group.append(item)
-    return [
-        group[0] if len(group) == 1 else (_joined([d for d, _ in group]), group[0][1])
-        for group in groups.values()
-    ]
+DEAD = object()  # inbox marker: the engine died while the request was in flight
 
 
 class EngineDeadError(Exception):
@@ -97,7 +50,6 @@ class StreamCut(Exception):
     time); the message says why. Its choices still running are aborted in the engine."""
 
 
-IDLE = (-1, None)  # what generate_n yields after keepalive_s without a delta
 # s: the longest the listener dispatches frames that waited before the streams write; bounds
 # how long a stream goes without an event while its frontend is behind
 BURST_S = 0.01
@@ -106,7 +58,7 @@ BURST_S = 0.01
 class EngineClient:
     """Request bookkeeping over a `send` callable; `dispatch` is fed every FrontendInput.
 
-    `generate_n` is the contract the HTTP handlers (and test doubles) rely on.
+    `add` / `remove` are the contract a RequestStream (and test doubles) rely on.
     """
 
     def __init__(
@@ -120,16 +72,13 @@ class EngineClient:
         self.healthy = True
         self.dead_reason = ""
         self._send = send
-        # engine id -> inbox of (delta, perf_counter when its TextDeltas arrived), _DEAD, IDLE
+        # engine id -> inbox of (delta, perf_counter when its TextDeltas arrived), DEAD, IDLE
         # or a StreamCut
         self._queues: dict[str, Inbox] = {}
         self._counter = itertools.count()
         self._replies: dict[int, asyncio.Future] = {}  # token -> answer of the core
         self._held: list[Inbox] = []  # inboxes holding deltas until flush_held
         self._on_dead: list[Callable[[str], None]] = []
-        # perf_counter when the delta generate_n yielded last reached this frontend; valid until
-        # the consumer's next await
-        self.last_received = 0.0
         self.last_heartbeat = time.monotonic()  # of the core; it was READY before we started
 
     def next_request_id(self) -> str:
@@ -143,8 +92,8 @@ class EngineClient:
         self._on_dead.append(callback)
 
     def dispatch(self, msg: FrontendInput, flush: bool = True) -> None:
-        """Hands what the engine sent to the requests it is for. A stream with a `direct`
-        (generate_n) has its deltas held and, with `flush`, offered to it or its handler
+        """Hands what the engine sent to the requests it is for. An inbox with a `direct`
+        (RequestStream.write_to) has its deltas held and, with `flush`, offered to it or its handler
         woken; without, they wait for a later dispatch's flush (`flush_held`), to go out as
         one event with what comes next (the listener has more frames waiting)."""
         match msg:
@@ -162,7 +111,7 @@ class EngineClient:
                     # client that reads as well as to one that does not (SlowReaderWatch
                     # tells them apart)
                     if len(inbox) >= self.max_pending:
-                        inbox.compact(_coalesced)
+                        inbox.compact(coalesced)
                     if inbox.direct is None:
                         inbox.put_delta((delta, received), received)
                     elif inbox.hold((delta, received), received):
@@ -186,11 +135,6 @@ class EngineClient:
         for inbox in held:
             inbox.flush()
 
-    def tokens_waiting(self, request_id: str) -> int:
-        """Tokens of generate_n(request_id)'s choices that wait for its consumer."""
-        inbox = self._queues.get(f"{request_id}-0")
-        return 0 if inbox is None else sum(len(d.token_ids) for d, _ in inbox.waiting())
-
     def cut_all(self, reason: str) -> list[str]:
         """End every request in flight here with StreamCut(reason); returns their names (each
         one's label, its X-Request-Id, or else its request id)."""
@@ -213,7 +157,7 @@ class EngineClient:
             reason.strip().splitlines()[0] if reason.strip() else "the engine stopped"
         )
         for inbox in {id(q): q for q in self._queues.values()}.values():
-            inbox.put(_DEAD)
+            inbox.put(DEAD)
         for waiter in self._replies.values():
             if not waiter.done():
                 waiter.set_exception(EngineDeadError(self.dead_reason))
@@ -221,143 +165,28 @@ class EngineClient:
         for callback in self._on_dead:
             callback(self.dead_reason)
 
-    async def generate_n(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: list[SamplingParams],
-        *,
-        tenant: str = "",
-        priority: int = 0,
-        arrival_time: float | None = None,
-        ticket: Ticket | None = None,
-        choice_prompts: list[list[int]] | None = None,
-        keepalive_s: float = 0.0,
-        label: str = "",
-        cache_salt: str = "",
-        choice_block_hashes: list[list[bytes]] | None = None,
-        direct: Callable[[int, TextDelta, float], bool] | None = None,
-    ) -> AsyncIterator[tuple[int, TextDelta]]:
-        """One engine request per params entry (ids `{request_id}-{i}`), merged as
-        (choice index, delta) until every choice's last delta (one with a finish_reason).
-
-        `ticket` is the request's place in `queue` from its admission decision, for
-        len(params) choices (without one, a ticket is taken here); each choice leaves it when
-        its first delta comes or the request ends. `choice_prompts`, one per params entry,
-        gives each choice its own prompt (a batch of completion prompts).
-
-        With `keepalive_s` > 0, yields IDLE (-1, None) after each keepalive_s without a delta.
-
-        `direct(index, delta, received)` may handle a delta that does not end its choice in
-        place of the consumer, called by the listener while the consumer waits here with
-        every earlier delta handled (several that waited come joined, as they would be
-        yielded); it returns True if it did (the delta is not yielded), False to have it
-        yielded as usual (Inbox.flush).
-
-        Raises EngineDeadError if the engine is or becomes dead, StreamCut if this frontend
-        ends the request (cut_all). Leaving early (break, aclose, cancellation) aborts the
-        choices still running.
-        """
+    def add(self, requests: list[AddRequest], inbox: Inbox, ticket: Ticket) -> None:
+        """Sends the engine requests, each one's deltas routed to `inbox` and counted as
+        queued on `ticket` until its first delta comes; EngineDeadError if the engine is dead.
+        Every request added is `remove`d once its stream ends."""
         if not self.healthy:
             raise EngineDeadError(self.dead_reason)
-        ids = [f"{request_id}-{i}" for i in range(len(params))]
-        index = {rid: i for i, rid in enumerate(ids)}
-        running = set(ids)
-        arrival = time.time() if arrival_time is None else arrival_time
-        if ticket is None:
-            ticket = self.queue.take(tenant, len(params))
-            ticket.set_prompt(len(prompt_token_ids))
-        assert ticket.num_queued == len(params), "a ticket for another number of choices"
-        unstarted = self.queue.unstarted
-        inbox = Inbox(asyncio.get_running_loop(), keepalive_s, label or request_id)
-        one_choice = len(ids) == 1
-        if direct is not None:
+        queues, unstarted = self._queues, self.queue.unstarted
+        for req in requests:
+            queues[req.request_id] = inbox
+            unstarted[req.request_id] = ticket
+        for req in requests:
+            self._send(req)
 
-            def offered(items: list[tuple[TextDelta, float]]) -> bool:
-                delta, received = items[0]
-                if len(items) > 1:
-                    rid = delta.request_id
-                    if not one_choice and any(d.request_id != rid for d, _ in items):
-                        return False  # deltas of several choices
-                    delta = _joined([d for d, _ in items])
-                if delta.finish_reason is not None:
-                    return False
-                return direct(index[delta.request_id], delta, received)
-
-            inbox.direct = offered
-        for rid in ids:
-            self._queues[rid] = inbox
-            unstarted[rid] = ticket
-        try:
-            prompts = choice_prompts or [prompt_token_ids] * len(params)
-            hashes = choice_block_hashes or [[]] * len(params)
-            for rid, prompt, p, named in zip(ids, prompts, params, hashes, strict=True):
-                self._send(
-                    AddRequest(
-                        rid,
-                        self.frontend_id,
-                        prompt,
-                        p,
-                        arrival,
-                        tenant,
-                        priority,
-                        label=label,
-                        cache_salt=cache_salt,
-                        block_hashes=named,
-                    )
-                )
-            while running:
-                # more than one delta: the consumer fell behind, it takes all that waited
-                deltas, marks = await inbox.take()
-                if len(deltas) == 1:  # the usual step: one delta
-                    delta, self.last_received = deltas[0]
-                    if delta.finish_reason is not None:
-                        running.discard(delta.request_id)
-                    yield index[delta.request_id], delta
-                elif deltas:
-                    joined = (
-                        [(_joined([d for d, _ in deltas]), deltas[0][1])]
-                        if one_choice
-                        else _coalesced(deltas)
-                    )
-                    for delta, self.last_received in joined:
-                        if delta.finish_reason is not None:
-                            running.discard(delta.request_id)
-                        yield index[delta.request_id], delta
-                for mark in marks:
-                    if mark is _DEAD:
-                        raise EngineDeadError(self.dead_reason)
-                    if isinstance(mark, StreamCut):
-                        raise mark
-                if not deltas and running and _IDLE in marks:
-                    yield IDLE  # type: ignore[misc]
-        finally:
-            inbox.close()
-            for rid in ids:
-                self._queues.pop(rid, None)
-                unstarted.pop(rid, None)
-            ticket.release()
-            if running and self.healthy:
-                self._send(Abort(sorted(running)))
-
-    async def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        *,
-        tenant: str = "",
-        priority: int = 0,
-    ) -> AsyncIterator[TextDelta]:
-        """One choice; ends after the delta carrying its finish_reason."""
-        stream = self.generate_n(
-            request_id, prompt_token_ids, [params], tenant=tenant, priority=priority
-        )
-        try:
-            async for _, delta in stream:
-                yield delta
-        finally:
-            await stream.aclose()
+    def remove(self, request_ids: list[str], running: list[str]) -> None:
+        """No more deltas of request_ids reach their inbox; those still `running` are aborted
+        in the engine, if it is alive."""
+        queues, unstarted = self._queues, self.queue.unstarted
+        for rid in request_ids:
+            queues.pop(rid, None)
+            unstarted.pop(rid, None)
+        if running and self.healthy:
+            self._send(Abort(sorted(running)))
 
     async def get_stats(self, timeout_s: float = 1.0) -> EngineStats:
         return await self._ask(lambda token: GetStats(self.frontend_id, token), timeout_s)

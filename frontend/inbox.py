@@ -1,4 +1,5 @@
-"""What waits for one request's stream handler: its deltas and markers, taken all at once."""
+"""What waits for one request's stream handler: its deltas and markers, taken all at once, and
+how deltas that waited are joined."""
 
 from __future__ import annotations
 
@@ -8,18 +9,19 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from gapless.common.messages import TextDelta
+
 log = logging.getLogger("gapless.frontend")
 
 IDLE = object()  # marker: idle_s passed without a delta
 
 
 class Inbox:
-    """A one-consumer queue for the engine client's fan-out, cheaper per step than
-    asyncio.Queue (the fan-out + SSE profile at 256 streams had asyncio.Queue and the
-    keep-alive timer armed per wait at ~20% of the step): a put is a list append and, when
-    the handler waits, one future's result; `take` hands over everything that waited, the
-    deltas and the markers (end of stream, IDLE) apart, so a handler that fell behind does
-    not look through its deltas for markers.
+    """A one-consumer queue for the engine client's fan-out, built to cost less per step than
+    asyncio.Queue with a keep-alive timer armed per wait (bench/RESULTS.md, "SSE ceiling"): a
+    put is a list append and, when the handler waits, one future's result; `take` hands over
+    everything that waited, the deltas and the markers (end of stream, IDLE) apart, so a
+    handler that fell behind does not look through its deltas for markers.
 
     With idle_s > 0, IDLE is put after each idle_s without a delta while nothing waits, by
     one timer per request that re-arms itself, not one timer per wait.
@@ -146,3 +148,48 @@ class Inbox:
             self._last_delta = time.perf_counter()
             left_s = self._idle_s
         self._timer = self._loop.call_later(left_s, self._tick)
+
+
+def joined(deltas: list[TextDelta]) -> TextDelta:
+    """Deltas of one engine request, in order, as one (copied once, however many)."""
+    first, last = deltas[0], deltas[-1]
+    logprobs = None
+    if any(d.logprobs is not None for d in deltas):
+        logprobs = [lp for d in deltas if d.logprobs for lp in d.logprobs]
+    prompt_logprobs = next(
+        (d.prompt_logprobs for d in deltas if d.prompt_logprobs is not None), None
+    )
+    return TextDelta(
+        first.request_id,
+        "".join([d.text for d in deltas]),
+        [t for d in deltas for t in d.token_ids],
+        last.num_prompt_tokens,
+        last.num_output_tokens,
+        last.finish_reason,
+        logprobs,
+        last.error,
+        last.code,
+        num_cached_tokens=last.num_cached_tokens,
+        prompt_logprobs=prompt_logprobs,
+    )
+
+
+def coalesced(items: list[tuple[TextDelta, float]]) -> list[tuple[TextDelta, float]]:
+    """Queued (delta, received) items as one delta per engine request, in the order each
+    request first appears, its own deltas joined in order; the received time is the first's,
+    so the delivery latency counts from the oldest token.
+
+    A consumer that keeps up takes one item at a time and this changes nothing; one that fell
+    behind (a slow client, a busy event loop) sends one SSE event per choice for everything
+    that waited instead of one per step, which is what lets it catch up."""
+    groups: dict[str, list[tuple[TextDelta, float]]] = {}
+    for item in items:
+        group = groups.get(item[0].request_id)
+        if group is None:
+            groups[item[0].request_id] = [item]
+        else:
+            group.append(item)
+    return [
+        group[0] if len(group) == 1 else (joined([d for d, _ in group]), group[0][1])
+        for group in groups.values()
+    ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+from typing import Any
 
 import msgspec
 
@@ -162,15 +163,15 @@ def _allowed(ids: list[int] | None, config: EngineConfig) -> tuple[int, ...] | N
     return tuple(sorted({_token_id(i, "allowed_token_ids", config) for i in ids}))
 
 
-def sampling_params(
+def sampling_fields(
     req: SamplingFields,
-    max_tokens: int,
     logprobs: int | None,
     config: EngineConfig,
     bad_words_ids: tuple[tuple[int, ...], ...] = (),
-) -> SamplingParams:
-    """Every range check of the shared sampling fields; max_tokens and logprobs come checked,
-    bad_words come tokenized (`Prompter.bad_words_ids`)."""
+) -> dict[str, Any]:
+    """Every range check of the shared sampling fields, as SamplingParams' keyword arguments
+    but max_tokens (known once the prompt is); logprobs come checked, bad_words come tokenized
+    (`Prompter.bad_words_ids`)."""
     given = config.model.sampling_defaults  # generation_config.json's, for fields left out
     top_k = int(given.get("top_k", 0)) if req.top_k is None else req.top_k
     if top_k < -1:
@@ -182,8 +183,7 @@ def sampling_params(
     min_tokens = req.min_tokens or 0
     if min_tokens < 0:
         raise bad_request(f"min_tokens must not be negative, got {min_tokens}", param="min_tokens")
-    return SamplingParams(
-        max_tokens=max_tokens,
+    return dict(
         temperature=_in_range(
             f(req.temperature, given.get("temperature", 1.0)), 0.0, 2.0, "temperature"
         ),
@@ -213,11 +213,23 @@ def sampling_params(
     )
 
 
-def check_min_tokens(params: SamplingParams, max_tokens: int, name: str) -> None:
+def sampling_params(
+    req: SamplingFields,
+    max_tokens: int,
+    logprobs: int | None,
+    config: EngineConfig,
+    bad_words_ids: tuple[tuple[int, ...], ...] = (),
+) -> SamplingParams:
+    """`sampling_fields` with the output budget: the engine's SamplingParams."""
+    fields = sampling_fields(req, logprobs, config, bad_words_ids)
+    return SamplingParams(max_tokens=max_tokens, **fields)
+
+
+def check_min_tokens(min_tokens: int, max_tokens: int, name: str) -> None:
     """min_tokens cannot exceed the output budget."""
-    if params.min_tokens > max_tokens:
+    if min_tokens > max_tokens:
         raise bad_request(
-            f"min_tokens ({params.min_tokens}) must not exceed {name} ({max_tokens})",
+            f"min_tokens ({min_tokens}) must not exceed {name} ({max_tokens})",
             param="min_tokens",
         )
 

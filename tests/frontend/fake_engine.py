@@ -9,6 +9,7 @@ until it is set; `queue_state` and `time_out` send what the core would.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 
 import tokenizers
@@ -19,12 +20,53 @@ from gapless.common.messages import (
     CoreInput,
     EngineDead,
     QueueState,
+    SamplingParams,
     TextDelta,
     TextDeltas,
     TokenLogprob,
     TopLogprob,
 )
 from gapless.frontend.engine_client import EngineClient
+from gapless.frontend.queue_view import Ticket
+from gapless.frontend.stream import Job, RequestStream
+
+Direct = Callable[[int, TextDelta, float], bool]
+
+
+class _WrittenBy(RequestStream):
+    """A stream whose listener writes are `direct(index, delta, received)`'s: True if it
+    took the delta (it is not handed to the handler)."""
+
+    def __init__(self, client: EngineClient, job: Job, direct: Direct) -> None:
+        super().__init__(client, job)
+        self._direct_on = True
+        self._written_by = direct
+
+    def write_now(self, index: int, delta: TextDelta, received: float) -> bool:
+        return self._written_by(index, delta, received)
+
+
+def request_stream(
+    client: EngineClient,
+    request_id: str,
+    prompt: list[int],
+    params: list[SamplingParams],
+    *,
+    tenant: str = "",
+    priority: int = 0,
+    ticket: Ticket | None = None,
+    label: str = "",
+    direct: Direct | None = None,
+) -> RequestStream:
+    """One request of len(params) choices of `prompt`, as a handler opens it (without a
+    ticket, one is taken here); with `direct`, the listener's writes go to it."""
+    if ticket is None:
+        ticket = client.queue.take(tenant, len(params))
+        ticket.set_prompt(len(prompt))
+    prompts = [prompt] * len(params)
+    job = Job("completions", request_id, prompts, params, tenant, priority, time.time(), ticket,
+              label=label)  # fmt: skip
+    return RequestStream(client, job) if direct is None else _WrittenBy(client, job, direct)
 
 
 class FakeEngine(EngineClient):

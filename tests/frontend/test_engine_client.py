@@ -30,6 +30,7 @@ from gapless.frontend.engine_client import (
     ZmqEngineClient,
 )
 from gapless.frontend.inbox import Inbox
+from tests.frontend.fake_engine import request_stream
 
 PARAMS = SamplingParams(max_tokens=4)
 
@@ -43,12 +44,27 @@ def _delta(rid: str, n: int, finish: str | None = None) -> TextDelta:
     return TextDelta(rid, f"t{n}", [n], 2, n, finish)
 
 
+def _deltas(client: EngineClient, rid: str, prompt: list[int], params, **kw):
+    """The (index, delta, received) of one request's stream (RequestStream.deltas)."""
+    return request_stream(client, rid, prompt, params, **kw).deltas()
+
+
+async def _one(client: EngineClient, rid: str, prompt: list[int], params: SamplingParams):
+    """One choice's deltas alone; closing this closes its stream."""
+    stream = _deltas(client, rid, prompt, [params])
+    try:
+        async for _, delta, _ in stream:
+            yield delta
+    finally:
+        await stream.aclose()
+
+
 @pytest.mark.anyio
-async def test_generate_n_merges_choices_and_cleans_up() -> None:
+async def test_a_stream_merges_choices_and_cleans_up() -> None:
     client, sent = _client()
     rid = client.next_request_id()
     assert rid == "3-0" and client.next_request_id() == "3-1"
-    stream = client.generate_n(rid, [1, 2], [PARAMS, PARAMS], tenant="t", priority=0)
+    stream = _deltas(client, rid, [1, 2], [PARAMS, PARAMS], tenant="t", priority=0)
     first = asyncio.ensure_future(stream.__anext__())
     await asyncio.sleep(0)
     assert [m.request_id for m in sent] == ["3-0-0", "3-0-1"]  # type: ignore[union-attr]
@@ -57,7 +73,8 @@ async def test_generate_n_merges_choices_and_cleans_up() -> None:
     client.dispatch(TextDeltas([_delta("3-0-0", 2, "stop"), _delta("3-0-1", 2, "length")]))
     got = [await first] + [x async for x in stream]
     # the consumer read nothing until both steps were in: one delta per choice, joined in order
-    assert [(i, d.text, d.token_ids, d.num_output_tokens, d.finish_reason) for i, d in got] == [
+    got = [(i, d.text, d.token_ids, d.num_output_tokens, d.finish_reason) for i, d, _ in got]
+    assert got == [
         (1, "t1t2", [1, 2], 2, "length"),
         (0, "t1t2", [1, 2], 2, "stop"),
     ]
@@ -67,7 +84,7 @@ async def test_generate_n_merges_choices_and_cleans_up() -> None:
 @pytest.mark.anyio
 async def test_a_consumer_that_keeps_up_gets_every_delta() -> None:
     client, _ = _client()
-    stream = client.generate_n("k", [1], [PARAMS])
+    stream = _deltas(client, "k", [1], [PARAMS])
     got = []
     for n in range(1, 4):
         task = asyncio.ensure_future(stream.__anext__())
@@ -80,7 +97,7 @@ async def test_a_consumer_that_keeps_up_gets_every_delta() -> None:
 @pytest.mark.anyio
 async def test_a_consumer_behind_gets_what_waited_joined_with_logprobs() -> None:
     client, _ = _client()
-    stream = client.generate_n("b", [1], [PARAMS])
+    stream = _deltas(client, "b", [1], [PARAMS])
     task = asyncio.ensure_future(stream.__anext__())
     await asyncio.sleep(0)
     lp = [TokenLogprob(f"t{n}", -float(n), n) for n in range(1, 4)]
@@ -89,7 +106,7 @@ async def test_a_consumer_behind_gets_what_waited_joined_with_logprobs() -> None
     client.dispatch(
         TextDeltas([msgspec.structs.replace(_delta("b-0", 3, "length"), logprobs=lp[2:])])
     )
-    _, delta = await task
+    _, delta, _ = await task
     assert (delta.text, delta.token_ids, delta.num_output_tokens) == ("t1t2t3", [1, 2, 3], 3)
     assert delta.finish_reason == "length" and delta.logprobs == lp
     assert [d async for d in stream] == []
@@ -98,7 +115,7 @@ async def test_a_consumer_behind_gets_what_waited_joined_with_logprobs() -> None
 @pytest.mark.anyio
 async def test_deltas_before_the_engine_died_are_delivered_then_the_error() -> None:
     client, _ = _client()
-    stream = client.generate_n("d", [1], [PARAMS])
+    stream = _deltas(client, "d", [1], [PARAMS])
     task = asyncio.ensure_future(stream.__anext__())
     await asyncio.sleep(0)
     client.dispatch(TextDeltas([_delta("d-0", 1)]))
@@ -111,7 +128,7 @@ async def test_deltas_before_the_engine_died_are_delivered_then_the_error() -> N
 @pytest.mark.anyio
 async def test_leaving_early_aborts_the_unfinished() -> None:
     client, sent = _client()
-    stream = client.generate_n("r", [1], [PARAMS] * 3)
+    stream = _deltas(client, "r", [1], [PARAMS] * 3)
     task = asyncio.ensure_future(stream.__anext__())
     await asyncio.sleep(0)
     client.dispatch(TextDeltas([_delta("r-1", 1, "stop")]))
@@ -122,7 +139,7 @@ async def test_leaving_early_aborts_the_unfinished() -> None:
 
     # cancellation while waiting (a client disconnect) aborts as well
     async def consume() -> None:
-        async for _ in client.generate("c", [1], PARAMS):
+        async for _ in _one(client, "c", [1], PARAMS):
             pass
 
     task = asyncio.ensure_future(consume())
@@ -139,7 +156,7 @@ async def test_engine_dead_ends_everything() -> None:
     client.on_dead(dead_reasons.append)
 
     async def consume(rid: str) -> list[TextDelta]:
-        return [d async for d in client.generate(rid, [1], PARAMS)]
+        return [d async for d in _one(client, rid, [1], PARAMS)]
 
     tasks = [asyncio.ensure_future(consume(f"r{i}")) for i in range(3)]
     stats = asyncio.ensure_future(client.get_stats())
@@ -150,7 +167,7 @@ async def test_engine_dead_ends_everything() -> None:
     assert not client.healthy and dead_reasons == ["runner crashed"]  # no traceback for clients
     assert not any(isinstance(m, Abort) for m in sent)  # nobody to tell
     with pytest.raises(EngineDeadError):
-        await anext(client.generate("late", [1], PARAMS))
+        await anext(_one(client, "late", [1], PARAMS))
 
 
 @pytest.mark.anyio
@@ -187,7 +204,7 @@ async def _zmq_client(config):
 async def test_zmq_engine_client_round_trip(make_config, tmp_path) -> None:
     async with _zmq_client(make_config(run_dir=str(tmp_path))) as (client, core_in, to_front):
         client.start()
-        stream = client.generate("1-0", [5, 6], PARAMS)
+        stream = _one(client, "1-0", [5, 6], PARAMS)
         first = asyncio.ensure_future(anext(stream))
         add = await asyncio.wait_for(core_in.recv(), 2)
         assert isinstance(add, AddRequest) and add.request_id == "1-0-0" and add.frontend_id == 1
@@ -236,7 +253,7 @@ async def test_a_backlog_of_frames_reaches_the_streams_in_bursts(make_config, tm
     so their unsent deltas stay under max_pending: nobody is aborted as a slow reader."""
     config = make_config(run_dir=str(tmp_path), stream_buffer_events=8)
     async with _zmq_client(config) as (client, core_in, to_front):
-        stream = client.generate("1-0", [5, 6], SamplingParams(max_tokens=50))
+        stream = _one(client, "1-0", [5, 6], SamplingParams(max_tokens=50))
         first = asyncio.ensure_future(anext(stream))
         await asyncio.wait_for(core_in.recv(), 2)  # the AddRequest
         for n in range(1, 51):  # 50 steps queued on the socket before the listener reads any
@@ -265,7 +282,7 @@ async def test_a_burst_ending_in_a_malformed_frame_leaves_nothing_held(
                 written.append(delta.text)
             return len(written) > 1
 
-        stream = client.generate_n("1-0", [5], [PARAMS], direct=direct)
+        stream = _deltas(client, "1-0", [5], [PARAMS], direct=direct)
         first = asyncio.ensure_future(anext(stream))
         await asyncio.wait_for(core_in.recv(), 2)  # the AddRequest
         to_front.send(TextDeltas([_delta("1-0-0", 1)]))
@@ -304,14 +321,14 @@ async def test_deltas_its_handler_has_not_taken_are_joined_not_cut(direct: bool)
         written.append(delta.text)
         return False  # as a connection whose client blocks the writes
 
-    stream = client.generate_n("3-0", [1], [PARAMS], direct=decline if direct else None)
+    stream = _deltas(client, "3-0", [1], [PARAMS], direct=decline if direct else None)
     first = asyncio.ensure_future(anext(stream))
     await asyncio.sleep(0)
     for n in range(1, 41):  # the handler does not run meanwhile
         client.dispatch(TextDeltas([_delta("3-0-0", n, "length" if n == 40 else None)]))
         assert len(client._queues["3-0-0"]) <= 5
     assert not [m for m in sent if isinstance(m, Abort)]
-    got = [(await first)[1]] + [d async for _, d in stream]
+    got = [(await first)[1]] + [d async for _, d, _ in stream]
     assert "".join(d.text for d in got) == "".join(f"t{n}" for n in range(1, 41))
     assert [t for d in got for t in d.token_ids] == list(range(1, 41))
     assert got[-1].finish_reason == "length" and got[-1].num_output_tokens == 40
@@ -321,8 +338,8 @@ async def test_deltas_its_handler_has_not_taken_are_joined_not_cut(direct: bool)
 @pytest.mark.anyio
 async def test_cut_all_names_each_request_once() -> None:
     client, sent = _client()
-    labelled = client.generate_n("3-0", [1], [PARAMS, PARAMS], label="client-id")
-    plain = client.generate_n("3-1", [1], [PARAMS])
+    labelled = _deltas(client, "3-0", [1], [PARAMS, PARAMS], label="client-id")
+    plain = _deltas(client, "3-1", [1], [PARAMS])
     waits = [asyncio.ensure_future(anext(s)) for s in (labelled, plain)]
     await asyncio.sleep(0)
     assert sorted(client.cut_all("drained")) == ["3-1", "client-id"]
@@ -342,7 +359,7 @@ async def test_direct_takes_held_deltas_joined_per_choice_and_never_a_last_one()
         written.append((index, delta.text, delta.token_ids))
         return True
 
-    stream = client.generate_n("d", [1], [PARAMS, PARAMS], direct=direct)
+    stream = _deltas(client, "d", [1], [PARAMS, PARAMS], direct=direct)
     consumer = asyncio.ensure_future(stream.__anext__())
     await asyncio.sleep(0)  # the consumer waits for its first delta
     client.dispatch(TextDeltas([_delta("d-0", 1)]), flush=False)
@@ -356,7 +373,7 @@ async def test_direct_takes_held_deltas_joined_per_choice_and_never_a_last_one()
     assert len(written) == 2
     got = [await consumer]
     got.append(await stream.__anext__())
-    assert [(i, d.text) for i, d in got] == [(0, "t3t4"), (1, "t2")]
+    assert [(i, d.text) for i, d, _ in got] == [(0, "t3t4"), (1, "t2")]
     consumer = asyncio.ensure_future(stream.__anext__())
     await asyncio.sleep(0)
     client.dispatch(TextDeltas([_delta("d-1", 3, "stop")]))  # a choice's last delta

@@ -14,6 +14,7 @@ from gapless.common.messages import (
 )
 from gapless.frontend.engine_client import EngineClient
 from gapless.frontend.queue_view import QueueView
+from tests.frontend.fake_engine import request_stream
 
 PARAMS = SamplingParams(max_tokens=4)
 
@@ -61,7 +62,7 @@ def test_queue_state_gives_the_other_frontends_part() -> None:
 async def test_the_engine_client_keeps_the_count() -> None:
     client = EngineClient(0, lambda msg: None)
     view = client.queue
-    stream = client.generate_n("r", [1, 2, 3], [PARAMS, PARAMS], tenant="t")
+    stream = request_stream(client, "r", [1, 2, 3], [PARAMS, PARAMS], tenant="t").deltas()
     first = asyncio.ensure_future(anext(stream))
     await asyncio.sleep(0)
     assert (view.num_queued, view.num_queued_tokens) == (2, 6)  # no ticket given: one taken
@@ -82,7 +83,7 @@ async def test_an_end_without_tokens_is_no_start() -> None:
     client = EngineClient(0, lambda msg: None)
     ticket = client.queue.take("", 1)
     ticket.set_prompt(1)
-    stream = client.generate_n("r", [1], [PARAMS], ticket=ticket)
+    stream = request_stream(client, "r", [1], [PARAMS], ticket=ticket).deltas()
     first = asyncio.ensure_future(anext(stream))
     await asyncio.sleep(0)
     end = TextDelta("r-0", "", [], 1, 0, "error", None, "waited", "queue_timeout")
