@@ -97,7 +97,7 @@ class ChatChunks:
     def _split(self, index: int) -> tuple[bytes, bytes]:
         """A text-only chunk's encoding cut around its content string, so each later one is
         two concatenations and the text's own encoding (the same bytes as encoding the whole
-        chunk, for less than encoding it; bench/RESULTS.md, "SSE ceiling"). Inside a JSON
+        chunk, for less; bench/RESULTS.md, "The frontend's fan-out profile"). Inside a JSON
         string every quote is escaped, so the marker is found only where the content is."""
         whole = self._encode([ChatChunkChoice(index, ChatDelta(content=""))])
         head, marker, tail = whole.rpartition(b'"content":""')

@@ -10,9 +10,9 @@ chunk of a started chunked body at once and returns True, or returns False and w
 when that cannot be done without waiting (the client is gone, the transport asked to pause,
 the response is not a chunked body in progress): the frontend's engine listener writes a
 stream's usual SSE event through it while the stream's handler waits for its next delta
-(frontend/generation.py, `stream`), instead of waking the handler for it; and, under
-`extensions[STREAM_CONNECTION]`, a `Connection` that tells how much of what was written the
-client has not taken yet, bounds the kernel's send buffer, and ends a cut stream at once.
+(frontend/stream.py, `RequestStream.write_now`), instead of waking the handler for it; and,
+under `extensions[STREAM_CONNECTION]`, a `Connection` that tells how much of what was written
+the client has not taken yet, bounds the kernel's send buffer, and ends a cut stream at once.
 """
 
 from __future__ import annotations

@@ -18,10 +18,11 @@ IDLE = object()  # marker: idle_s passed without a delta
 
 class Inbox:
     """A one-consumer queue for the engine client's fan-out, built to cost less per step than
-    asyncio.Queue with a keep-alive timer armed per wait (bench/RESULTS.md, "SSE ceiling"): a
-    put is a list append and, when the handler waits, one future's result; `take` hands over
-    everything that waited, the deltas and the markers (end of stream, IDLE) apart, so a
-    handler that fell behind does not look through its deltas for markers.
+    asyncio.Queue with a keep-alive timer armed per wait (bench/RESULTS.md, "The frontend's
+    fan-out profile"): a put is a list append and, when the handler waits, one future's
+    result; `take` hands over everything that waited, the deltas and the markers (end of
+    stream, IDLE) apart, so a handler that fell behind does not look through its deltas for
+    markers.
 
     With idle_s > 0, IDLE is put after each idle_s without a delta while nothing waits, by
     one timer per request that re-arms itself, not one timer per wait.

@@ -70,7 +70,7 @@ class Route(Generic[B]):
 def prompt_block_hashes(config: EngineConfig, prompt_ids: list[int], scope: str) -> list[bytes]:
     """The prefix-cache names of the prompt's full blocks in its cache scope (the Job's
     cache_salt, from tenants.cache_scope_of), so the core's step loop does not spend its time
-    hashing; none with caching off."""
+    hashing (bench/RESULTS.md, "Block hashes in the frontend"); none with caching off."""
     if not config.prefix_caching:
         return []
     return chain_hashes(hash_root(config.model.path, scope), prompt_ids, config.block_size)

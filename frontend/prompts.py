@@ -4,7 +4,7 @@ A text longer than the model could ever accept is refused before it is tokenized
 (`max_prompt_chars`). Tokenizing runs in an executor thread through `encode_batch_fast`, which
 releases the GIL while it works (`encode` holds it throughout, so the event loop would stop for
 as long as a long prompt takes) and keeps no character offsets (freeing them takes the GIL
-again, for several times as long as building the ids list).
+again).
 """
 
 from __future__ import annotations

@@ -179,9 +179,9 @@ async def serve(
         loop.call_later(config.dead_engine_grace_s, setattr, server, "should_exit", True)
 
     engine.on_dead(exit_soon)
-    # why: what startup made (tokenizer, templates, modules: ~45k objects) stays for good;
-    # frozen, the collections that every step's allocations set off no longer walk it (with
-    # 256 streams' deltas waiting, collection was 40% of dispatch and halved with this)
+    # why: what startup made (tokenizer, templates, modules) stays for good; frozen, the
+    # collections that every step's allocations set off no longer walk it (bench/RESULTS.md,
+    # "`gc.freeze()` in the frontend")
     gc.collect()
     gc.freeze()
     sock = bind_socket(config.host, config.port)

@@ -6,9 +6,9 @@ AddRequests, hands each choice's deltas to the handler and, however it ends, abo
 runs. With `write_to`, the engine client's listener writes the usual SSE event (text only, of an
 opened choice that goes on) itself while the handler waits (`write_now`, through
 frontend/http.py's chunk writer), and the handler writes the others (`write`); each counter
-below is kept once, by whichever of the two handled the delta. Waking the handler for every
-step costs more than the socket write it makes (bench/RESULTS.md, "The listener writes the
-usual event").
+below is kept once, by whichever of the two handled the delta. A step's usual deltas wake no
+handler: waking one per stream per step is what the listener's write saves (bench/RESULTS.md,
+"SSE: the listener writes the usual event").
 """
 
 from __future__ import annotations

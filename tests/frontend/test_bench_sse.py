@@ -2,8 +2,8 @@
 
 Skipped as a timing unless run with `--benchmark-enable`:
 `pytest tests/frontend/test_bench_sse.py --benchmark-enable`. The target at 256 streams is
-300 us per step on a quiet machine (docs/architecture.md, "Streaming at the host floor", says
-why one write per stream per step cannot reach it here).
+300 us per step on a quiet machine; bench/RESULTS.md ("SSE: the listener writes the usual
+event") has what was measured, and why one write per stream per step keeps it out of reach.
 """
 
 from __future__ import annotations
