@@ -119,7 +119,7 @@ class RequestStream:
         self.outputs = [0] * n  # output tokens so far
         self.cached = [0] * n  # prompt tokens the prefix cache held, from its last delta
         self.last = [0.0] * n  # perf_counter of its previous delta with tokens
-        self.opened = [False] * n  # its first event is written (`write`)
+        self.opened = [False] * n  # the handler began it: its opening chunk went (`write`)
         self.ended = [False] * n  # its last delta came
         self.started = False  # a token came: the time to first token is observed
         self.reason: str | None = None  # the latest finish_reason of any choice
