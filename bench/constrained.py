@@ -86,12 +86,13 @@ def sample_stage_ms(config: EngineConfig, batch: int, steps: int) -> tuple[float
     import numpy as np
     import torch
 
+    from gapless.gpu_runner.cpu.sampling import CPU_SAMPLING
     from gapless.gpu_runner.sampling.grammar import GrammarRows
     from gapless.gpu_runner.sampling.sampler import SamplerState
 
     info = config.model
     vocab = info.vocab_size
-    sampler = SamplerState(batch, vocab, "cpu")
+    sampler = SamplerState(batch, vocab, "cpu", paths=CPU_SAMPLING)
     free = SamplingParams(max_tokens=steps + 1, temperature=0.0)
     for slot in range(batch):
         sampler.add(slot, free, 4)

@@ -158,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", type=Path, default=Path("bench/results/cpu-compare"))
     args = p.parse_args(ours)
     from gapless.common.model_cache import default_model_path
-    from gapless.gpu_runner.runner import resolve_dtype, resolve_quantization
+    from gapless.gpu_runner.cpu.formats import resolve_dtype, resolve_quantization
 
     gguf = default_model_path()
     if args.format is None:  # what `gapless serve` serves here by default

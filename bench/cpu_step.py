@@ -5,9 +5,10 @@ python -m gapless.bench.cpu_step --batch 1 --hogs 2          # quiet, then two `
 python -m gapless.bench.cpu_step --batch 32 -- --dtype float32 --threads 1
 python -m gapless.bench.cpu_step --batch 32 -- --no-compile    # the eager decode step
 
-Plans go straight to a ModelRunner (no scheduler, no HTTP): B streams prefill `--prompt` token
-ids each, then decode `--steps` steps together; the figure is the median decode step. Anything
-after `--` is `gapless serve` flags, which build the runner's config as the server would.
+Plans go straight to the cpu backend's step executor (no scheduler, no HTTP): B streams prefill
+`--prompt` token ids each, then decode `--steps` steps together; the figure is the median decode
+step. Anything after `--` is `gapless serve` flags, which build the runner's config as the
+server would.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def runner_config(serve_args: list[str], batch: int, prompt: int) -> EngineConfi
 
 
 class Streams:
-    """B streams on slots 0..B-1 of a runner, each owning its own KV blocks."""
+    """B streams on slots 0..B-1 of a step executor, each owning its own KV blocks."""
 
     def __init__(self, runner, batch: int, prompt: int, max_tokens: int) -> None:
         self.runner = runner
@@ -162,15 +163,16 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(ours)
     config = runner_config(serve_args, args.batch, args.prompt)
     set_wait_policy(config.cpu_wait)  # as the runner process does, before torch loads
-    from gapless.gpu_runner.runner import ModelRunner
+    from gapless.gpu_runner.cpu.backend import CpuBackend
 
     start = time.perf_counter()
-    runner = ModelRunner(config)
+    backend = CpuBackend(config)
+    runner = backend.executor
     print(
         f"runner ready in {time.perf_counter() - start:.1f} s (--cpu-wait {config.cpu_wait}, "
-        f"--threads {config.threads}, --dtype {str(runner.dtype).removeprefix('torch.')}, "
-        f"--quantization {runner.quantization}, "
-        f"{'compiled' if runner.compiled else 'eager'} decode); "
+        f"--threads {config.threads}, --dtype {str(backend.dtype).removeprefix('torch.')}, "
+        f"--quantization {backend.quantization}, "
+        f"{'compiled' if backend.compiled else 'eager'} decode); "
         f"load {os.getloadavg()}",
         flush=True,
     )
@@ -180,7 +182,7 @@ def main(argv: list[str] | None = None) -> None:
 
         runners = {
             "compiled ": runner,
-            "eager ": ModelRunner(msgspec.structs.replace(config, compile=False)),
+            "eager ": CpuBackend(msgspec.structs.replace(config, compile=False)).executor,
         }
     for r in runners.values():
         decode_steps(r, args.batch, args.prompt, 4)  # warm-up

@@ -83,14 +83,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--text", type=Path, default=TEXT)
     p.add_argument("--decode", action="store_true", help="one decode step per token (see above)")
     args = p.parse_args(argv[:split])
-    from gapless.gpu_runner.runner import ModelRunner
+    from gapless.gpu_runner.cpu.backend import CpuBackend
 
     reference = None
     for name in args.formats:
         dtype, quant = FORMATS[name]
         serve = [*argv[split + 1 :], "--dtype", dtype, "--quantization", quant]
         start = time.perf_counter()
-        runner = ModelRunner(runner_config(serve, 1, 4096))
+        runner = CpuBackend(runner_config(serve, 1, 4096)).executor
         ids = text_ids(runner, args.text)
         ppl = (decode_perplexity if args.decode else perplexity)(runner, ids)
         reference = reference or ppl

@@ -7,13 +7,17 @@ publication of the previous step's ids.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from gapless.common.messages import StepPlan, StepResult
+
+if TYPE_CHECKING:  # why: the runner process imports this before torch may load
+    from gapless.gpu_runner.batch import PersistentBatch
 
 
 class Backend(Protocol):
     num_blocks: int  # KV blocks of block_size tokens, block 0 included (reserved)
+    batch: PersistentBatch  # the slots and block tables the plans change
 
     def launch(self, plan: StepPlan) -> Any:
         """Queue one step; plans must come in sequence order."""
@@ -27,9 +31,9 @@ class Backend(Protocol):
 
 def make_backend(config) -> Backend:
     if config.device == "cpu":
-        from gapless.gpu_runner.runner import ModelRunner
+        from gapless.gpu_runner.cpu.backend import CpuBackend
 
-        return ModelRunner(config)
+        return CpuBackend(config)
     if config.device == "sim":
         from gapless.gpu_runner.sim.backend import SimBackend
 

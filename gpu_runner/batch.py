@@ -3,20 +3,24 @@
 Host-side state is numpy; everything per token is computed with array ops over the plan. A
 step's per-row inputs go into one static token-major table, [rows, NUM_COLS] int64, so that
 the device reads every step from the same addresses (what a CUDA graph replays) and the rows a
-step uses are one contiguous host-to-device copy. On cuda the host side is a small ring of
-pinned tables, so a table is never rewritten while its copy may still be queued.
+step uses are one contiguous host-to-device copy. Where the device is not the host, the
+backend gives the batch its staging (cuda: a small ring of pinned tables, so a table is never
+rewritten while its copy may still be queued).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
 
+from gapless.common.config import EngineConfig
 from gapless.common.messages import StepPlan
 from gapless.gpu_runner.attention import StepLayout
-from gapless.gpu_runner.graph import padded_size
+from gapless.gpu_runner.graph import capture_sizes, padded_size
 
 # columns of the token table; rows past a column's length hold stale values and are never read
 IDS = 0  # [T] fed token id, or -1: read last_token[slot] on the device
@@ -31,7 +35,6 @@ FED_POSITIONS = 8  # [F]
 FED_IDS = 9  # [F]
 NUM_COLS = 10
 _EMPTY = np.zeros(0, np.int64)
-STAGING_DEPTH = 3  # pinned host tables on cuda; the runner has at most three steps in flight
 
 
 @dataclass
@@ -52,6 +55,38 @@ class StepInputs:
     scored_positions_host: np.ndarray | None = None  # [P] int64, of the token scored (row + 1)
 
 
+class TableStaging(Protocol):
+    """How a step's table reaches the device: written on the host, then uploaded."""
+
+    table: torch.Tensor  # [rows, NUM_COLS] long, on the device: what the model reads
+
+    def host(self) -> np.ndarray:
+        """[rows, NUM_COLS] int64: the host table the next step is written into."""
+        ...
+
+    def upload(self, rows: int) -> None:
+        """Copy the first rows of the last host table to `table`, on the current stream."""
+        ...
+
+
+class SharedTable:
+    """The host's table is the device's (cpu, sim): nothing to upload."""
+
+    def __init__(self, shape: tuple[int, int]) -> None:
+        self.table = torch.zeros(shape, dtype=torch.long)  # [rows, NUM_COLS] long
+        self._host = self.table.numpy()
+
+    def host(self) -> np.ndarray:
+        return self._host
+
+    def upload(self, rows: int) -> None:
+        pass
+
+
+# makes the staging of a (rows, NUM_COLS) table for a device
+MakeStaging = Callable[[tuple[int, int], torch.device], TableStaging]
+
+
 class PersistentBatch:
     def __init__(
         self,
@@ -60,7 +95,9 @@ class PersistentBatch:
         block_size: int,
         max_rows: int,
         device,
+        staging: MakeStaging | None = None,
     ) -> None:
+        """staging: None where the device reads the host's memory (SharedTable)."""
         self.block_size = block_size
         self.device = torch.device(device)
         self.block_table = np.zeros((max_slots, max_blocks_per_seq), dtype=np.int64)
@@ -69,19 +106,15 @@ class PersistentBatch:
         # [max_slots] long, on device: the token each slot sampled last
         self.last_token = torch.zeros(max_slots, dtype=torch.long, device=self.device)
         shape = (max_rows, NUM_COLS)
-        if self.device.type == "cpu":  # host and device share the one table
-            self.table = torch.zeros(shape, dtype=torch.long)  # [rows, NUM_COLS] long
-            self._staging = [self.table]
-        else:
-            self.table = torch.zeros(shape, dtype=torch.long, device=self.device)
-            self._staging = [
-                torch.zeros(shape, dtype=torch.long, pin_memory=True) for _ in range(STAGING_DEPTH)
-            ]
-        self._copied = [None] * len(self._staging)  # cuda events: each staging copy is done
-        self._turn = 0
+        self.staging = SharedTable(shape) if staging is None else staging(shape, self.device)
+        self.table = self.staging.table  # [rows, NUM_COLS] long, on device
         self._arange = np.arange(max_rows + 1)  # [max_rows + 1] int64, never written
         self._ones = np.ones(max_rows, dtype=np.int64)  # never written
         self._arange.flags.writeable = self._ones.flags.writeable = False
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return self.block_table.shape[1]
 
     def add(self, slot: int) -> None:
         assert not self.active[slot], f"slot {slot} added twice"
@@ -95,23 +128,9 @@ class PersistentBatch:
     def column(self, col: int, rows: int) -> torch.Tensor:  # [rows] long, on device
         return self.table[:rows, col]
 
-    def _host_table(self) -> np.ndarray:
-        """The next staging table, once the copy that last read it has run."""
-        self._turn = (self._turn + 1) % len(self._staging)
-        done = self._copied[self._turn]
-        if done is not None and not done.query():
-            done.synchronize()  # why: the GPU may run steps behind; rewriting would race the copy
-        return self._staging[self._turn].numpy()
-
     def upload(self, inp: StepInputs) -> None:
         """Copy the prepared rows to the device table, on the current stream."""
-        if self.device.type == "cpu":
-            return
-        rows = inp.num_rows
-        self.table[:rows].copy_(self._staging[self._turn][:rows], non_blocking=True)
-        if self._copied[self._turn] is None:
-            self._copied[self._turn] = torch.cuda.Event()
-        self._copied[self._turn].record()
+        self.staging.upload(inp.num_rows)
 
     def prepare(
         self, plan: StepPlan, pad: bool = True, scored_until: np.ndarray | None = None
@@ -140,7 +159,8 @@ class PersistentBatch:
 
         # per token: entry, position, cache row
         b = len(slots)
-        # why a branch: steady decode is most steps, and each array op skipped is ~2-5 us
+        # why a branch: steady decode is most steps, and each array op skipped saves time on
+        # the hot path (bench/RESULTS.md, "Core and detokenizer")
         decode = not plan.token_ids and plan.num_tokens.count(1) == b
         if decode:  # one token per entry, each read from last_token on the device
             t, n = b, None
@@ -165,7 +185,7 @@ class PersistentBatch:
             logit_rows, sample_slots, sample_ctx = ends[picked] - 1, slots[picked], ctx_len[picked]
         s, f = len(picked), len(fed_rows)
 
-        table = self._host_table()
+        table = self.staging.host()
         table[:t, IDS] = -1
         if f:
             table[fed_rows, IDS] = plan.token_ids
@@ -212,3 +232,13 @@ class PersistentBatch:
             scored_slots_host=tok_slot[scored],
             scored_positions_host=positions[scored] + 1,
         )
+
+
+def batch_for(config: EngineConfig, device, staging: MakeStaging | None = None) -> PersistentBatch:
+    """The batch of a runner with this config: a seat per sequence, a table row per token of
+    the largest step or padded decode."""
+    rows = max(config.max_num_batched_tokens, capture_sizes(config.max_num_seqs)[-1])
+    max_blocks = -(-config.model.max_model_len // config.block_size)
+    return PersistentBatch(
+        config.max_num_seqs, max_blocks, config.block_size, rows, device, staging
+    )

@@ -45,7 +45,7 @@ def run_gpu_runner(config: EngineConfig) -> None:
         from gapless.gpu_runner.backend import make_backend
 
         backend = make_backend(config)
-        check = PlanCheck(config, backend.batch, backend.num_blocks)  # type: ignore[attr-defined]
+        check = PlanCheck(config, backend.batch, backend.num_blocks)
         results.send(RunnerReady(num_kv_blocks=backend.num_blocks))
         # cuda: the KV cache's bytes, the memory budget and the startup stages' ms as well
         control.ready(num_kv_blocks=backend.num_blocks, **getattr(backend, "ready_info", {}))

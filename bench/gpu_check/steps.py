@@ -371,7 +371,8 @@ def profile_shape(spec: dict, work: Path, peak: float, bandwidth: float) -> dict
     from gapless.bench.gpu_check import floors
     from gapless.common.config import EngineConfig
     from gapless.common.model_files import load_arch, resolve_model
-    from gapless.gpu_runner.runner import ModelRunner, kv_block_bytes
+    from gapless.gpu_runner.cpu.backend import CpuBackend
+    from gapless.gpu_runner.kv_cache import kv_block_bytes
 
     name, bs = spec["shape"], 16
     batch, context = spec["decode_batch"], spec["decode_context"]
@@ -398,7 +399,7 @@ def profile_shape(spec: dict, work: Path, peak: float, bandwidth: float) -> dict
 
         backend = CudaBackend(config)
     else:
-        backend = ModelRunner(config)
+        backend = CpuBackend(config)
     out: dict = {"shape": name, "startup_s": time.perf_counter() - t0,
                  "startup": getattr(backend, "ready_info", {})}  # fmt: skip
     driver = Driver(backend, bs)

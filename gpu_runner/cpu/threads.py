@@ -12,9 +12,13 @@ take one thread (how many threads run, unlike how they wait, can change at any t
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 import time
+from collections.abc import Callable
+
+log = logging.getLogger("gapless.gpu_runner")
 
 # the policy's environment for GNU OpenMP (torch's cpu builds) and Intel's, which reads
 # KMP_BLOCKTIME instead; a variable the operator set is left alone
@@ -39,10 +43,10 @@ def set_wait_policy(policy: str) -> bool:
 class BusyCores:
     """Whether other programs keep this machine's cores busy, for one-row steps.
 
-    why: one stream on two threads kept 25% of its quiet speed beside two `nice -n 19` busy
-    loops, on one thread 95%, and one thread costs ~10% when the cores are idle (AVX-512 EPYC,
-    2 cores; bench/RESULTS.md, "One stream under contention"). A step with one thread has no
-    barrier for a parked thread to hold up.
+    why: one stream on two threads kept a fraction of its quiet speed beside busy loops, on
+    one thread nearly all of it, and one thread costs little when the cores are idle
+    (bench/RESULTS.md, "one stream under contention"). A step with one thread has no barrier
+    for a parked thread to hold up.
 
     At most every `period_s`, the machine's busy CPU time since the last look (/proc/stat)
     less this process's own: busy when the rest used more than `threshold` of a core. (Not
@@ -78,3 +82,21 @@ class BusyCores:
             self.busy = others / (now - wall) > self.threshold
         self._last = (now, machine, own)
         return self.busy
+
+
+class ThreadSizer:
+    """Before each forward: one thread for a one-row step while other programs keep the cores
+    busy, else `threads` (the cpu backend's before_forward, where --threads is above one)."""
+
+    def __init__(self, threads: int, busy: Callable[[], bool] | None = None) -> None:
+        import torch  # why here: this module is imported before torch loads (set_wait_policy)
+
+        self.threads = threads
+        self.busy = BusyCores() if busy is None else busy
+        self._get, self._set = torch.get_num_threads, torch.set_num_threads
+
+    def __call__(self, rows: int) -> None:
+        want = 1 if rows == 1 and self.busy() else self.threads
+        if want != self._get():
+            log.debug("cpu threads: %d (%s)", want, "cores busy" if want == 1 else "cores free")
+            self._set(want)

@@ -18,16 +18,18 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
-from gapless.common.config import max_useful_blocks
+from gapless.common.config import EngineConfig, max_useful_blocks
 from gapless.gpu_runner.attention import StepLayout
 from gapless.gpu_runner.batch import SLOT_MAPPING
 from gapless.gpu_runner.cuda.memory import GIB, MemoryPlan, kv_cache_blocks, plan_memory
 from gapless.gpu_runner.cuda.warmup import WarmupStep, run_warmup, warmup_step
-from gapless.gpu_runner.runner import kv_block_bytes
+from gapless.gpu_runner.executor import StepExecutor
+from gapless.gpu_runner.kv_cache import kv_block_bytes
 
 log = logging.getLogger("gapless.gpu_runner")
 PREFIX = "cuda startup: "  # the check (bench/gpu_check) reads these lines from the log
@@ -47,22 +49,22 @@ class Stages:
         self.last = now
 
 
-def sizes_by_kv(runner) -> bool:
+def sizes_by_kv(config: EngineConfig) -> bool:
     """Whether the KV cache is sized from measured memory (no --kv-cache-memory)."""
-    return runner.config.kv_cache_memory is None
+    return config.kv_cache_memory is None
 
 
-def first_blocks(runner) -> int:
-    """Blocks to allocate before measuring: the warm-up step's, where the cache is sized
-    from memory, else --kv-cache-memory's."""
-    c = runner.config
+def first_blocks(config: EngineConfig) -> int:
+    """Blocks to allocate before measuring, where the cache is sized from memory: the warm-up
+    step's."""
+    c = config
     cap = max_useful_blocks(c.max_num_seqs, c.model.max_model_len, c.block_size)
     step = warmup_step(c.max_num_batched_tokens, c.max_num_seqs, c.model.max_model_len,
                        c.block_size, cap - 1)  # fmt: skip
     return min(step.num_blocks + 1, cap)
 
 
-def build_kernels(runner) -> None:
+def build_kernels(runner: StepExecutor) -> None:
     """Plan a two-token prompt and a three-entry decode at once, in two threads: each plan
     compiles (or loads) its kind's kernels for every window the model has."""
     bs, one = runner.config.block_size, np.ones(3, np.int64)
@@ -99,7 +101,7 @@ def peak_above(fn) -> int:
     return max(0, torch.cuda.max_memory_allocated() - base)
 
 
-def warm_up(runner) -> tuple[WarmupStep, int, int]:
+def warm_up(runner: StepExecutor) -> tuple[WarmupStep, int, int]:
     """The largest step and the largest decode batch, once each: (the step, its peak, the
     decode's peak), bytes above what was held before each."""
     c = runner.config
@@ -111,7 +113,9 @@ def warm_up(runner) -> tuple[WarmupStep, int, int]:
     return step, step_peak, decode_peak
 
 
-def size_kv_cache(runner, step_peak: int, graphs: int, free_at_start: int) -> MemoryPlan:
+def size_kv_cache(
+    runner: StepExecutor, step_peak: int, graphs: int, free_at_start: int
+) -> MemoryPlan:
     """Free the warm-up's cache, measure what stays, and allocate the KV cache in the rest
     (free_at_start: the device's free bytes when this process began, its context made)."""
     c = runner.config
@@ -129,10 +133,12 @@ def size_kv_cache(runner, step_peak: int, graphs: int, free_at_start: int) -> Me
     return plan
 
 
-def start(runner, since: float, free_at_start: int) -> dict[str, int]:
-    """Stages 1-4 on a runner whose weights are loaded (since: perf_counter at the start of
-    the load; free_at_start: the device's free bytes then); the ready message's extra fields
-    (bytes and ms)."""
+def start(
+    runner: StepExecutor, capture: Callable[[], None], since: float, free_at_start: int
+) -> dict[str, int]:
+    """Stages 1-4 on an executor whose weights are loaded (capture: stage 4, the backend's;
+    since: perf_counter at the start of the load; free_at_start: the device's free bytes
+    then); the ready message's extra fields (bytes and ms)."""
     c = runner.config
     stages = Stages(since)
     weights = torch.cuda.memory_allocated()
@@ -148,7 +154,7 @@ def start(runner, since: float, free_at_start: int) -> dict[str, int]:
         f"{runner.graphs.max_size} ({decode_peak / GIB:.2f} GiB)",
     )
     info: dict[str, int] = {}
-    if sizes_by_kv(runner):
+    if sizes_by_kv(c):
         graphs = decode_peak if runner.use_graphs else 0
         plan = size_kv_cache(runner, step_peak, graphs, free_at_start)
         info.update(memory_budget_bytes=plan.budget, memory_total_bytes=plan.total)
@@ -170,7 +176,7 @@ def start(runner, since: float, free_at_start: int) -> dict[str, int]:
     info["kv_cache_bytes"] = runner.num_blocks * kv_block_bytes(runner.arch, c.block_size,
                                                                 runner.dtype)  # fmt: skip
     if runner.use_graphs:
-        runner.capture()
+        capture()
         sizes = runner.graphs.sizes
         stages.done("CUDA graphs captured", f": {len(sizes)} decode sizes, {sizes[0]}-{sizes[-1]}")
     info["startup_ms"] = int((time.perf_counter() - since) * 1e3)

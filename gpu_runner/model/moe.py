@@ -88,12 +88,15 @@ def moe_experts(
     down: torch.Tensor,  # [E, H, I]
     act: str,
 ) -> torch.Tensor:  # [T, H]
-    if x.device.type == "cpu":
-        return experts_loop(x, ids, weights, gate_up, down, act)
     # MEASURE: grouped GEMM against the masked loop (and flashinfer's fused MoE) on a GPU
     if _grouped_fits(x, gate_up, down):
         return experts_grouped(x, ids, weights, gate_up, down, act)
     return experts_masked(x, ids, weights, gate_up, down, act)
+
+
+@moe_experts.register_kernel("cpu")
+def _(x, ids, weights, gate_up, down, act) -> torch.Tensor:
+    return experts_loop(x, ids, weights, gate_up, down, act)
 
 
 @moe_experts.register_fake

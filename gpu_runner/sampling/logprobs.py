@@ -3,9 +3,21 @@ re-indexes flat arrays."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
+import torch
 
 from gapless.common.messages import SampleLogprobs
+
+
+@dataclass(frozen=True)
+class SampleOutput:
+    token_ids: torch.Tensor  # [B] int64
+    logprobs: torch.Tensor | None  # [B] float32, raw model log-softmax; None if nobody asked
+    top_ids: torch.Tensor  # [B, K] int64, K = max requested top logprobs in the batch (may be 0)
+    top_logprobs: torch.Tensor  # [B, K] float32, sorted descending per row
+    plain: bool = False  # the batch's flags were plain: nothing for record() to count
 
 
 def row_logprobs(asks: np.ndarray, logprobs, top_ids, top_logprobs) -> list[SampleLogprobs | None]:
@@ -18,3 +30,19 @@ def row_logprobs(asks: np.ndarray, logprobs, top_ids, top_logprobs) -> list[Samp
         k = int(asks[j])
         out[j] = SampleLogprobs(lps[j], top_ids[j, :k].tolist(), top_logprobs[j, :k].tolist())
     return out
+
+
+def sample_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, max_logprobs: int, plain: bool = False
+) -> SampleOutput:
+    """Raw model logprobs of the chosen tokens and the top max_logprobs ids (-1: none asked);
+    `plain` marks the output of a plain batch (SampleOutput.plain)."""
+    batch = logits.shape[0]
+    if max_logprobs < 0:
+        empty_ids = torch.empty((batch, 0), dtype=torch.int64, device=logits.device)
+        empty = torch.empty((batch, 0), dtype=torch.float32, device=logits.device)
+        return SampleOutput(token_ids, None, empty_ids, empty, plain=plain)
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # [B, 1]
+    logprobs = (logits.gather(1, token_ids[:, None]) - lse).squeeze(1)  # [B]
+    top_vals, top_ids = logits.topk(max_logprobs, dim=-1, sorted=True)  # [B, K]
+    return SampleOutput(token_ids, logprobs, top_ids, top_vals - lse)

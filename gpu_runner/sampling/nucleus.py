@@ -49,3 +49,18 @@ def nucleus_argmax(ratio: torch.Tensor, probs: torch.Tensor, top_p: torch.Tensor
         again = (mass_above(p, win) >= tp) & (r.gather(1, win[:, None]).squeeze(1) > 0)
         rows, r, p, tp, win = rows[again], r[again], p[again], tp[again], win[again]
     return token_ids
+
+
+def top_p_cutoff(
+    ordered: torch.Tensor, ordered_probs: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    """[B, 1] smallest value of `ordered` inside the nucleus: the shortest prefix whose mass
+    reaches top_p. ordered [B, N] sorted descending, ordered_probs [B, N] their probs, top_p [B].
+
+    Rows with top_p >= 1 get -inf: a float32 cumsum can reach 1 early and would cut a tail
+    that should stay.
+    """
+    before = ordered_probs.cumsum(dim=-1) - ordered_probs  # [B, N] mass ahead of each entry
+    num_kept = (before < top_p[:, None]).sum(dim=-1, keepdim=True)  # [B, 1], >= 1
+    cutoff = ordered.gather(1, num_kept - 1)  # [B, 1]
+    return torch.where(top_p[:, None] < 1.0, cutoff, -torch.inf)

@@ -16,8 +16,10 @@ import numpy as np
 import torch
 
 from gapless.common.messages import SamplingParams
+from gapless.gpu_runner.sampling.draws import UNSEEDED_SALT, exponentials, fmix32_, mix64, signed
 from gapless.gpu_runner.sampling.logit_rules import LogitRules
-from gapless.gpu_runner.sampling.nucleus import nucleus_argmax
+from gapless.gpu_runner.sampling.logprobs import SampleOutput, sample_logprobs
+from gapless.gpu_runner.sampling.nucleus import nucleus_argmax, top_p_cutoff
 
 # columns of the float parameter table
 _TEMP, _TOP_P, _MIN_P, _PRES, _FREQ, _REP = range(6)
@@ -25,66 +27,15 @@ _TEMP, _TOP_P, _MIN_P, _PRES, _FREQ, _REP = range(6)
 _TOP_K, _SEED, _HAS_SEED, _NUM_PROMPT = range(4)
 
 
-def _signed(value: int, bits: int) -> int:
-    """The two's-complement reading of the low `bits` bits of value."""
-    value &= (1 << bits) - 1
-    return value - (1 << bits) if value >> (bits - 1) else value
+@dataclass(frozen=True)
+class SamplingPaths:
+    """Where a device samples faster another way than the plain torch one; its backend says
+    (gpu_runner/cpu/sampling.py gives the cpu's)."""
 
-
-_GOLDEN64 = _signed(0x9E3779B97F4A7C15, 64)
-_MIX64_A = _signed(0xBF58476D1CE4E5B9, 64)
-_MIX64_B = _signed(0x94D049BB133111EB, 64)
-_MIX32_A = _signed(0x85EBCA6B, 32)
-_MIX32_B = _signed(0xC2B2AE35, 32)
-_UNSEEDED_SALT = _signed(0xD1B54A32D192ED03, 64)
-# CPU only: rows per block = this // vocab, so a block's float32 temporaries stay in cache
-_CPU_BLOCK_ELEMENTS = 1 << 18
-# CPU only: top_p without top_k by rejection (gpu_runner/sampling/nucleus.py) instead of a full sort
-_CPU_SORT_FREE_TOP_P = True
-
-
-def _shr(x: torch.Tensor, shift: int, bits: int) -> torch.Tensor:
-    """Logical right shift of a signed tensor: torch shifts arithmetically, so mask the sign."""
-    return (x >> shift).bitwise_and_((1 << (bits - shift)) - 1)
-
-
-def mix64(x: torch.Tensor) -> torch.Tensor:
-    """splitmix64 of each int64 element (multiplication and addition wrap mod 2**64)."""
-    x = x + _GOLDEN64
-    x = (x ^ _shr(x, 30, 64)) * _MIX64_A
-    x = (x ^ _shr(x, 27, 64)) * _MIX64_B
-    return x ^ _shr(x, 31, 64)
-
-
-def _fmix32_(x: torch.Tensor, final_shift: bool = True) -> torch.Tensor:
-    """murmur3's 32-bit finalizer, in place on an int32 tensor (a bijection on 32 bits).
-
-    Without final_shift the top 16 bits are the same and the rest differ by a bijection of the
-    top bits, so callers that only read the top bits lose nothing by skipping it.
-    """
-    x ^= _shr(x, 16, 32)
-    x *= _MIX32_A
-    x ^= _shr(x, 13, 32)
-    x *= _MIX32_B
-    if final_shift:
-        x ^= _shr(x, 16, 32)
-    return x
-
-
-def exponentials(keys: torch.Tensor, vocab_hash: torch.Tensor) -> torch.Tensor:
-    """Exp(1) draws for every (row, vocab id): keys [B] int64, vocab_hash [V] int32 -> [B, V].
-
-    Each row's key is already a full 64-bit hash; its high 32 bits are xored with a fixed hash
-    of the vocab id and finalized, which is a bijection per row, so no two ids share a draw.
-    """
-    x = (keys >> 32).to(torch.int32)[:, None] ^ vocab_hash  # [B, V] int32
-    _fmix32_(x, final_shift=False)
-    # top 23 bits, signed in [-2**22, 2**22); + 2**22 + 0.5 is exact in float32 and lies in
-    # (0, 2**23), so u = w / 2**23 is exact and strictly inside (0, 1), and q = -log(u) > 0.
-    # why not 23 log 2 - log(w): near u = 1 that difference rounds to 0, and probs / 0 gives
-    # inf (an allowed token wins) or nan (a filtered-out token wins the argmax)
-    w = (x >> 9).to(torch.float32).add_(2.0**22 + 0.5)  # [B, V] float32
-    return w.mul_(2.0**-23).log_().neg_()
+    block_elements: int = 0  # rows sampled together: this // vocab (0: the whole batch)
+    sort_free_top_p: bool = False  # top_p without top_k by rejection (sampling/nucleus.py)
+    host_argmax: bool = False  # numpy's argmax over float32 rows on the host, not torch's max
+    pinned_uploads: bool = False  # the parameter tables' copies leave pinned memory
 
 
 @dataclass(frozen=True)
@@ -105,15 +56,6 @@ class BatchFlags:
     biased: bool = False
 
 
-@dataclass(frozen=True)
-class SampleOutput:
-    token_ids: torch.Tensor  # [B] int64
-    logprobs: torch.Tensor | None  # [B] float32, raw model log-softmax; None if nobody asked
-    top_ids: torch.Tensor  # [B, K] int64, K = max requested top logprobs in the batch (may be 0)
-    top_logprobs: torch.Tensor  # [B, K] float32, sorted descending per row
-    plain: bool = False  # the batch's flags were plain: nothing for record() to count
-
-
 class SamplerState:
     """Per-slot sampling parameters and penalty counters, kept across steps (on `device`).
 
@@ -130,11 +72,15 @@ class SamplerState:
         max_logprobs: int = 20,
         seed: int = 0,
         eos_token_ids: tuple[int, ...] = (),
+        paths: SamplingPaths = SamplingPaths(),
     ) -> None:
         self.max_slots = max_slots
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         self.max_logprobs = max_logprobs
+        self.paths = paths
+        self._block_rows = max(paths.block_elements // vocab_size, 1) if paths.block_elements else 0
+        self._argmax = _host_argmax if paths.host_argmax else _argmax
         self._fparams = np.zeros((max_slots, 6), np.float32)
         self._iparams = np.zeros((max_slots, 4), np.int64)
         self._num_logprobs = np.full(max_slots, -1, np.int64)  # -1: not asked
@@ -153,7 +99,7 @@ class SamplerState:
         )
         self._prompt_seen = self._prompt_flat[:-1].view(max_slots, vocab_size)
         vocab = torch.arange(vocab_size, dtype=torch.int32, device=self.device)
-        self._vocab_hash = _fmix32_(vocab + _signed(0x9E3779B9, 32))  # [V] int32
+        self._vocab_hash = fmix32_(vocab + signed(0x9E3779B9, 32))  # [V] int32
         gen = torch.Generator().manual_seed(seed)
         self._base_seed = int(torch.randint(-(2**62), 2**62, (1,), generator=gen))
         self._step = torch.zeros(1, dtype=torch.int64, device=self.device)  # sample() calls
@@ -172,7 +118,7 @@ class SamplerState:
             params.frequency_penalty,
             params.repetition_penalty,
         )
-        seed = 0 if params.seed is None else _signed(params.seed, 64)
+        seed = 0 if params.seed is None else signed(params.seed, 64)
         self._iparams[slot] = (top_k, seed, params.seed is not None, num_prompt_tokens)
         if params.logprobs is None:
             self._num_logprobs[slot] = -1
@@ -206,7 +152,7 @@ class SamplerState:
             return
         for host, dev in ((self._fparams, self._fparams_dev), (self._iparams, self._iparams_dev)):
             src = torch.from_numpy(host.copy())
-            if self.device.type == "cuda":
+            if self.paths.pinned_uploads:
                 src = src.pin_memory()  # why: a pinned source makes the copy truly async
             dev.copy_(src, non_blocking=True)
         self._dirty = False
@@ -222,8 +168,8 @@ class SamplerState:
         """Flags over the given host-side slots (all active slots when None).
 
         why kept while the batch and its slots stay the same: a slot's parameters change only
-        in add / remove, and the dozen numpy calls here took 63 us of a 5 ms batch-1 step,
-        with the caches cold after the forward (AVX-512 EPYC)"""
+        in add / remove, and the dozen numpy calls here are a measurable share of a batch-1
+        step, with the caches cold after the forward (bench/RESULTS.md, "one stream's step")"""
         index = self._batch_index(host_slots)
         key = index.tobytes()
         if self._flags is not None and self._flags[0] == key:
@@ -317,13 +263,14 @@ class SamplerState:
         flags = self.flags(host_slots)
         if flags.plain and constrain is None:
             # why a path of its own: one stream's steps are mostly this (clients that ignore
-            # EOS ban it with a bias), and each call skipped below is a few us with the caches
-            # cold after the forward; a bias took the general path 0.13 ms a step
+            # EOS ban it with a bias), and each call skipped below costs with the caches cold
+            # after the forward (bench/RESULTS.md, "the int4 layers' single row through a VNNI
+            # kernel")
             self._step.add_(1)
             x = logits.float()  # in place below, as rules.apply: no row asked for logprobs
             if flags.biased and host_slots is not None:
                 self.rules.apply_static(x, np.asarray(host_slots))
-            return _logprobs(logits, _argmax(x), -1, plain=True)
+            return sample_logprobs(logits, self._argmax(x), -1, plain=True)
         logits = logits.float()
         adjusted = logits
         inplace = flags.max_logprobs < 0
@@ -335,11 +282,12 @@ class SamplerState:
             adjusted = constrain(adjusted, inplace or adjusted is not logits)
         step = self._step.add_(1)  # [1] int64; in place so graph replays advance it
         batch = logits.shape[0]
-        rows = _CPU_BLOCK_ELEMENTS // self.vocab_size if logits.device.type == "cpu" else batch
+        rows = self._block_rows or batch
         greedy_only = flags.all_greedy and not flags.any_penalty and flags.max_logprobs < 0
         if batch <= max(rows, 1) or greedy_only:  # why: an argmax makes no temporaries
             return self._sample_rows(logits, adjusted, slots, positions, step, 0, flags)
-        # why: on CPU, [rows, V] temporaries that fit in cache beat [B, V] ones several times
+        # why: where the device has caches (a cpu), [rows, V] temporaries that fit in them beat
+        # [B, V] ones
         parts = [
             self._sample_rows(
                 logits[i : i + rows],
@@ -373,13 +321,13 @@ class SamplerState:
         Sampling reads `adjusted` (the request's logit rules applied); logprobs read `logits`."""
         x = self.penalized_logits(adjusted, slots) if flags.any_penalty else adjusted
         if flags.all_greedy:
-            token_ids = _argmax(x)
+            token_ids = self._argmax(x)
         else:
             token_ids = self._draw(x, slots, positions, step, row0, flags)
             if flags.any_greedy:
                 greedy = self._fparams_dev[slots, _TEMP] == 0.0  # [B] bool
-                token_ids = torch.where(greedy, _argmax(x), token_ids)
-        return _logprobs(logits, token_ids, flags.max_logprobs)
+                token_ids = torch.where(greedy, self._argmax(x), token_ids)
+        return sample_logprobs(logits, token_ids, flags.max_logprobs)
 
     def _draw(
         self,
@@ -405,64 +353,36 @@ class SamplerState:
                 # why: every top_p row also has top_k, so its nucleus lies among the K sorted
                 # candidates and no full-vocab sort is needed
                 kth = kth.masked_fill(kth < cutoff, -torch.inf)
-                cutoff = torch.maximum(cutoff, _top_p_cutoff(kth, torch.softmax(kth, -1), top_p))
+                cutoff = torch.maximum(cutoff, top_p_cutoff(kth, torch.softmax(kth, -1), top_p))
             x = x.masked_fill(x < cutoff, -torch.inf)
         probs = torch.softmax(x, dim=-1)  # [B, V] float32
         nucleus = flags.any_top_p and not flags.top_p_within_top_k
-        sort_free = nucleus and _CPU_SORT_FREE_TOP_P and x.device.type == "cpu"
+        sort_free = nucleus and self.paths.sort_free_top_p
         nucleus_probs = probs  # [B, V] what top_p measures: after top_k, before min_p
         if nucleus and not sort_free:
             ordered = probs.sort(dim=-1, descending=True).values  # [B, V]
-            probs = probs.masked_fill(probs < _top_p_cutoff(ordered, ordered, top_p), 0.0)
+            probs = probs.masked_fill(probs < top_p_cutoff(ordered, ordered, top_p), 0.0)
         if flags.any_min_p:
             floor = fp[:, _MIN_P, None] * probs.amax(dim=-1, keepdim=True)  # [B, 1]
             probs = probs.masked_fill(probs < floor, 0.0)
         seeded_key = mix64(mix64(ip[:, _SEED]) ^ positions)  # [B] int64
         rows = torch.arange(row0, row0 + x.shape[0], device=x.device)
-        free_key = mix64(mix64(step + (self._base_seed ^ _UNSEEDED_SALT)) ^ rows)
+        free_key = mix64(mix64(step + (self._base_seed ^ UNSEEDED_SALT)) ^ rows)
         keys = torch.where(ip[:, _HAS_SEED] != 0, seeded_key, free_key)  # [B] int64
         if sort_free:
             ratio = probs.div(exponentials(keys, self._vocab_hash))  # [B, V]
             return nucleus_argmax(ratio, nucleus_probs, top_p)
-        return _argmax(probs.div_(exponentials(keys, self._vocab_hash)))
+        return self._argmax(probs.div_(exponentials(keys, self._vocab_hash)))
 
 
 def _argmax(x: torch.Tensor) -> torch.Tensor:
-    """x [B, V] -> [B] int64, the first index of each row's max.
-
-    why numpy on the cpu: torch's max with indices took 362 us over [32, 49152] float32,
-    numpy's argmax 65 (AVX-512 EPYC, 2 threads); elsewhere max's kernel, faster than argmax's"""
-    if x.device.type == "cpu" and x.dtype == torch.float32:
-        return torch.from_numpy(np.argmax(x.numpy(), axis=-1))
+    """x [B, V] -> [B] int64, the first index of each row's max (max's kernel: faster than
+    argmax's)."""
     return x.max(dim=-1).indices
 
 
-def _logprobs(
-    logits: torch.Tensor, token_ids: torch.Tensor, max_logprobs: int, plain: bool = False
-) -> SampleOutput:
-    """Raw model logprobs of the chosen tokens and the top max_logprobs ids (-1: none asked);
-    `plain` marks the output of a plain batch (SampleOutput.plain)."""
-    batch = logits.shape[0]
-    if max_logprobs < 0:
-        empty_ids = torch.empty((batch, 0), dtype=torch.int64, device=logits.device)
-        empty = torch.empty((batch, 0), dtype=torch.float32, device=logits.device)
-        return SampleOutput(token_ids, None, empty_ids, empty, plain=plain)
-    lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # [B, 1]
-    logprobs = (logits.gather(1, token_ids[:, None]) - lse).squeeze(1)  # [B]
-    top_vals, top_ids = logits.topk(max_logprobs, dim=-1, sorted=True)  # [B, K]
-    return SampleOutput(token_ids, logprobs, top_ids, top_vals - lse)
-
-
-def _top_p_cutoff(
-    ordered: torch.Tensor, ordered_probs: torch.Tensor, top_p: torch.Tensor
-) -> torch.Tensor:
-    """[B, 1] smallest value of `ordered` inside the nucleus: the shortest prefix whose mass
-    reaches top_p. ordered [B, N] sorted descending, ordered_probs [B, N] their probs, top_p [B].
-
-    Rows with top_p >= 1 get -inf: a float32 cumsum can reach 1 early and would cut a tail
-    that should stay.
-    """
-    before = ordered_probs.cumsum(dim=-1) - ordered_probs  # [B, N] mass ahead of each entry
-    num_kept = (before < top_p[:, None]).sum(dim=-1, keepdim=True)  # [B, 1], >= 1
-    cutoff = ordered.gather(1, num_kept - 1)  # [B, 1]
-    return torch.where(top_p[:, None] < 1.0, cutoff, -torch.inf)
+def _host_argmax(x: torch.Tensor) -> torch.Tensor:
+    """_argmax of x on the host, by numpy where x is float32."""
+    if x.dtype == torch.float32:
+        return torch.from_numpy(np.argmax(x.numpy(), axis=-1))
+    return x.max(dim=-1).indices

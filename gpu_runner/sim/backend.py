@@ -1,7 +1,8 @@
 """The `sim` device: an asynchronous accelerator emulated from a timing profile, no weights.
 
 A launch does the host-side work of a real runner (slots, and the persistent batch's block
-tables and static token table, by the runner's own code) and queues the step on an emulated device that runs steps back to back:
+tables and static token table, by the executor's own batch: gpu_runner/batch.py) and queues
+the step on an emulated device that runs steps back to back:
 device_start = max(launch time, device_free_at), device_end = device_start + t_step (the
 profile's modelled time, sim). Sampled ids are drawn from a seeded generator over the real
 tokenizer's ordinary tokens, never EOS or special tokens, so requests end by length or stop
@@ -19,8 +20,7 @@ import torch
 from gapless.common.config import EngineConfig
 from gapless.common.messages import SampleLogprobs, StepPlan, StepResult, StepTiming
 from gapless.common.model_files import load_tokenizer
-from gapless.gpu_runner.batch import SLOT_MAPPING, PersistentBatch
-from gapless.gpu_runner.graph import capture_sizes
+from gapless.gpu_runner.batch import SLOT_MAPPING, batch_for
 from gapless.gpu_runner.sampling.grammar import GrammarRows
 from gapless.gpu_runner.sampling.logprobs import row_logprobs
 from gapless.gpu_runner.sim.profiles import get_profile, num_kv_blocks, step_time
@@ -65,9 +65,7 @@ class SimBackend:
         self.rng = np.random.default_rng([config.seed, 0])  # sampled ids, at launch
         self.top_rng = np.random.default_rng([config.seed, 1])  # top-logprob ids, at collect
         slots = config.max_num_seqs
-        max_blocks = -(-config.model.max_model_len // config.block_size)
-        rows = max(config.max_num_batched_tokens, capture_sizes(slots)[-1])
-        self.batch = PersistentBatch(slots, max_blocks, config.block_size, rows, "cpu")
+        self.batch = batch_for(config, "cpu")
         self.num_logprobs = np.full(slots, -1, dtype=np.int64)  # -1: not asked
         # top-k logprobs of rank r: log(2^-(r+1)), the sampled token at rank 0 (sim)
         k = max(config.max_logprobs, 1)

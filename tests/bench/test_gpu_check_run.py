@@ -12,14 +12,14 @@ import pytest
 
 from gapless.bench.gpu_check import run
 from gapless.bench.gpu_check.steps import Driver, decode_plan, mixed_plans, start_decoding
-from gapless.gpu_runner.runner import ModelRunner
+from gapless.gpu_runner.cpu.backend import CpuBackend
 from tests.engine_harness import make_config
 
 BS = 16
 
 
 def test_the_profile_plans_run_on_the_runner(tiny_model_dir):
-    runner = ModelRunner(make_config(tiny_model_dir, block_size=BS, max_num_seqs=4,
+    runner = CpuBackend(make_config(tiny_model_dir, block_size=BS, max_num_seqs=4,
                                      max_num_batched_tokens=2 * 40 + 4))  # fmt: skip
     driver = Driver(runner, BS)
     start_decoding(driver, batch=4, context=50, room=20, vocab=1000)

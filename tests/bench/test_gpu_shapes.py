@@ -13,7 +13,7 @@ from safetensors import safe_open
 from gapless.bench.gpu_check import shapes
 from gapless.bench.gpu_check.shapes import SHAPES, Shape, param_shape, write_model
 from gapless.common.model_files import load_arch, load_tokenizer, resolve_model
-from gapless.gpu_runner.runner import ModelRunner
+from gapless.gpu_runner.cpu.backend import CpuBackend
 from tests.engine_harness import make_config
 from tests.gpu_runner.test_padding import Plans
 
@@ -87,7 +87,7 @@ def test_a_written_model_loads_and_serves(name, tmp_path, default_gguf):
             assert t.dtype == torch.bfloat16 and tuple(t.shape) == param_shape(key, arch)
             if key in ("model.embed_tokens.weight", "lm_head.weight"):
                 assert not t[TOKENIZER_VOCAB:].any() and t[:TOKENIZER_VOCAB].std() > 0.01
-    runner = ModelRunner(make_config(out, block_size=16, max_num_seqs=4))
+    runner = CpuBackend(make_config(out, block_size=16, max_num_seqs=4)).executor
     plans = Plans(16)
     prompts = {0: list(range(3, 40)), 1: [11, 12, 13]}
     ids = runner.execute(plans.step(prompts, [])).token_ids

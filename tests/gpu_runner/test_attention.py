@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gapless.gpu_runner.attention import AttnMetadata, _decode, decode_attention, fused_decode
 from gapless.gpu_runner.cpu import kernels
+from gapless.gpu_runner.cpu.attention import AttnMetadata, _decode, decode_attention, fused_decode
 
 BS = 16
 

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from gapless.common.messages import StepPlan
-from gapless.gpu_runner.attention import TorchAttention
 from gapless.gpu_runner.batch import POSITIONS, SLOT_MAPPING, PersistentBatch
+from gapless.gpu_runner.cpu.attention import TorchAttention
 from gapless.gpu_runner.graph import capture_sizes, padded_size
 
 BLOCK = 16

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from gapless.common.messages import SamplingParams
-from gapless.gpu_runner.runner import ModelRunner
+from gapless.gpu_runner.cpu.backend import CpuBackend
 from tests.conftest import build_tiny_llama
 from tests.engine_harness import Harness, make_config
 from tests.gpu_runner.test_padding import Plans, forward_plan
@@ -47,13 +47,13 @@ def _step(runner, plan) -> tuple[torch.Tensor, list[int]]:
     with torch.inference_mode():
         inp, logits = forward_plan(runner, plan)
         host = logits.float().cpu()
-        return host, runner.sample(inp, logits).token_ids.tolist()
+        return host, runner.executor.sample(inp, logits).token_ids.tolist()
 
 
 @pytest.mark.gpu
 @gpu
 def test_bf16_logits_and_greedy_match_cpu_fp32(cuda_model_dir):
-    cpu = ModelRunner(make_config(cuda_model_dir, block_size=BS, max_num_seqs=8))
+    cpu = CpuBackend(make_config(cuda_model_dir, block_size=BS, max_num_seqs=8))
     cuda = _cuda(cuda_model_dir)
     cpu_plans, cuda_plans = Plans(BS), Plans(BS)
     want, want_ids = _step(cpu, cpu_plans.step(PROMPTS, []))
@@ -78,13 +78,14 @@ def test_graph_replay_equals_eager(cuda_model_dir):
     cuda = _cuda(cuda_model_dir)
     plans = Plans(BS)
     _step(cuda, plans.step(PROMPTS, []))
+    step = cuda.executor
     with torch.inference_mode():
-        cuda.begin(plan := plans.step({}, list(PROMPTS)))
-        inp, meta = cuda.prepare(plan)
+        step.begin(plan := plans.step({}, list(PROMPTS)))
+        inp, meta = step.prepare(plan)
         assert inp.padded and inp.num_rows == 4
         cuda.batch.upload(inp)
         replayed = cuda.graphs.run(inp.num_rows, meta).clone()
-        eager = cuda.forward(inp.num_rows, meta)
+        eager = step.forward(inp.num_rows, meta)
     torch.testing.assert_close(replayed, eager, atol=1e-3, rtol=1e-3)
 
 
@@ -154,7 +155,7 @@ def test_ready_means_every_kernel_built_and_the_cache_sized(
 ):
     from flashinfer.jit.core import JitSpec
 
-    from gapless.gpu_runner.runner import kv_block_bytes
+    from gapless.gpu_runner.kv_cache import kv_block_bytes
 
     caplog.set_level("INFO", logger="gapless.gpu_runner")
     cuda = _cuda(cuda_model_dir, cuda_graph=graphs, max_num_batched_tokens=256)
@@ -185,7 +186,7 @@ def test_ready_means_every_kernel_built_and_the_cache_sized(
 @pytest.mark.gpu
 @gpu
 def test_kv_cache_memory_overrides_the_sizing(cuda_model_dir):
-    from gapless.gpu_runner.runner import kv_block_bytes
+    from gapless.gpu_runner.kv_cache import kv_block_bytes
 
     per_block = kv_block_bytes(_arch(cuda_model_dir), BS, torch.bfloat16)
     cuda = _cuda(cuda_model_dir, kv_cache_memory=40 * per_block)
@@ -193,7 +194,7 @@ def test_kv_cache_memory_overrides_the_sizing(cuda_model_dir):
     assert "memory_budget_bytes" not in cuda.ready_info
     assert cuda.ready_info["kv_cache_bytes"] == 40 * per_block
     # the warm-up left nothing a request could see (block 0 is the padding's scratch)
-    assert all(not c[BS:].any() for kv in cuda.kv_cache for c in kv)
+    assert all(not c[BS:].any() for kv in cuda.executor.kv_cache for c in kv)
 
 
 def _arch(model_dir):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gapless.common.messages import SamplingParams
-from gapless.gpu_runner.runner import ModelRunner
+from gapless.gpu_runner.cpu.backend import CpuBackend
 from tests.engine_harness import Harness, make_config
 from tests.family_models import WINDOW, build
 from tests.gpu_runner.test_cuda import BS, PROMPTS, _cuda, _step, gpu
@@ -37,7 +37,7 @@ def family_dir(request, tmp_path_factory, tiny_model_dir):
 @pytest.mark.gpu
 @gpu
 def test_bf16_logits_and_greedy_match_cpu_fp32(family_dir):
-    cpu = ModelRunner(make_config(family_dir, block_size=BS, max_num_seqs=8))
+    cpu = CpuBackend(make_config(family_dir, block_size=BS, max_num_seqs=8))
     cuda = _cuda(family_dir)
     assert cuda.use_graphs
     cpu_plans, cuda_plans = Plans(BS), Plans(BS)

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from gapless.gpu_runner import runner
+from gapless.gpu_runner.cpu import formats
 
 
 @pytest.mark.parametrize(
@@ -25,9 +25,9 @@ from gapless.gpu_runner import runner
 def test_auto_dtype_is_bfloat16_only_where_it_is_computed_natively(
     monkeypatch, flags, device, want
 ):
-    monkeypatch.setattr(runner, "cpu_flags", lambda: flags)
-    assert runner.resolve_dtype("auto", device) == want
-    assert runner.resolve_dtype("float16", device) == "float16", "a dtype asked for is kept"
+    monkeypatch.setattr(formats, "cpu_flags", lambda: flags)
+    assert formats.resolve_dtype("auto", device) == want
+    assert formats.resolve_dtype("float16", device) == "float16", "a dtype asked for is kept"
 
 
 @pytest.mark.parametrize(
@@ -43,41 +43,41 @@ def test_auto_dtype_is_bfloat16_only_where_it_is_computed_natively(
 def test_auto_quantization_is_w8a8_only_where_auto_dtype_is_float32_on_cpu(
     monkeypatch, flags, dtype, device, want
 ):
-    monkeypatch.setattr(runner, "cpu_flags", lambda: flags)
-    monkeypatch.setattr(runner, "has_fbgemm", lambda: True)
-    assert runner.resolve_quantization("auto", dtype, device) == want
-    assert runner.resolve_quantization("int4", "auto", "cpu") == "int4", "a format asked for"
-    assert runner.resolve_quantization("none", "auto", "cpu") == "none"
+    monkeypatch.setattr(formats, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(formats, "has_fbgemm", lambda: True)
+    assert formats.resolve_quantization("auto", dtype, device) == want
+    assert formats.resolve_quantization("int4", "auto", "cpu") == "int4", "a format asked for"
+    assert formats.resolve_quantization("none", "auto", "cpu") == "none"
 
 
 @pytest.mark.slow
 def test_auto_quantization_is_int4_dual_for_a_q4_1_gguf_where_bfloat16_is_native(
     monkeypatch, default_gguf, tiny_model_dir
 ) -> None:
-    monkeypatch.setattr(runner, "cpu_flags", lambda: {"avx512f", "avx512_bf16"})
-    assert runner.resolve_quantization("auto", "auto", "cpu", str(default_gguf)) == "int4-dual"
+    monkeypatch.setattr(formats, "cpu_flags", lambda: {"avx512f", "avx512_bf16"})
+    assert formats.resolve_quantization("auto", "auto", "cpu", str(default_gguf)) == "int4-dual"
     # safetensors: int4 would round float weights, so the --dtype weights stay
-    assert runner.resolve_quantization("auto", "auto", "cpu", str(tiny_model_dir)) == "none"
-    assert runner.resolve_quantization("auto", "bfloat16", "cpu", str(default_gguf)) == "none"
-    monkeypatch.setattr(runner, "cpu_flags", lambda: {"avx2", "fma"})
-    assert runner.resolve_quantization("auto", "auto", "cpu", str(default_gguf)) == "w8a8"
+    assert formats.resolve_quantization("auto", "auto", "cpu", str(tiny_model_dir)) == "none"
+    assert formats.resolve_quantization("auto", "bfloat16", "cpu", str(default_gguf)) == "none"
+    monkeypatch.setattr(formats, "cpu_flags", lambda: {"avx2", "fma"})
+    assert formats.resolve_quantization("auto", "auto", "cpu", str(default_gguf)) == "w8a8"
 
 
 def test_auto_quantization_is_int8_where_torch_has_no_fbgemm(monkeypatch) -> None:
-    monkeypatch.setattr(runner, "cpu_flags", lambda: {"asimd"})  # an Arm CPU without BF16
-    monkeypatch.setattr(runner, "has_fbgemm", lambda: False)
-    assert runner.resolve_quantization("auto", "auto", "cpu") == "int8"
+    monkeypatch.setattr(formats, "cpu_flags", lambda: {"asimd"})  # an Arm CPU without BF16
+    monkeypatch.setattr(formats, "has_fbgemm", lambda: False)
+    assert formats.resolve_quantization("auto", "auto", "cpu") == "int8"
 
 
 def test_fbgemm_is_found_in_an_x86_torch() -> None:
     import platform
 
     if platform.machine() in ("x86_64", "AMD64"):
-        assert runner.has_fbgemm()
+        assert formats.has_fbgemm()
 
 
 def test_cpu_flags_reads_this_machine():
-    flags = runner.cpu_flags()
+    flags = formats.cpu_flags()
     if os.path.exists("/proc/cpuinfo"):
         assert flags and all(f == f.strip() and f for f in flags)
-    assert runner.resolve_dtype("auto", "cpu") in ("bfloat16", "float32")
+    assert formats.resolve_dtype("auto", "cpu") in ("bfloat16", "float32")

@@ -142,10 +142,10 @@ def test_quantized_families_stay_near_float32(family, mode):
     """Every family takes the cpu's quantized layers (a mixture of experts keeps its routed
     experts in --dtype): a step's logits stay close to the float32 model's."""
     from gapless.common.model_files import load_arch, resolve_model
+    from gapless.gpu_runner.cpu.formats import has_fbgemm
     from gapless.gpu_runner.cpu.quant import QUANTIZED, quantize_model
     from gapless.gpu_runner.model import CausalLM
     from gapless.gpu_runner.model.weights import load_weights
-    from gapless.gpu_runner.runner import has_fbgemm
 
     if mode == "w8a8" and not has_fbgemm():
         pytest.skip("no fbgemm")
@@ -170,7 +170,8 @@ def test_quantized_families_stay_near_float32(family, mode):
 def _logits(model, arch, ids: torch.Tensor) -> torch.Tensor:
     import numpy as np
 
-    from gapless.gpu_runner.attention import StepLayout, TorchAttention
+    from gapless.gpu_runner.attention import StepLayout
+    from gapless.gpu_runner.cpu.attention import TorchAttention
 
     n, bs = len(ids), 16
     pages = np.arange(1, -(-n // bs) + 1)[None, :]

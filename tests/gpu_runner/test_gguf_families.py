@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from gapless.common.model_files import load_arch, read_gguf, resolve_model
-from gapless.gpu_runner.attention import StepLayout, TorchAttention
+from gapless.gpu_runner.attention import StepLayout
+from gapless.gpu_runner.cpu.attention import TorchAttention
 from gapless.gpu_runner.model import CausalLM
 from gapless.gpu_runner.model.weights import load_weights
 from tests.engine_harness import Harness, make_config

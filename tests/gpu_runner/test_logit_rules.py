@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from gapless.common.messages import SamplingParams
+from gapless.gpu_runner.cpu.sampling import CPU_SAMPLING
 from gapless.gpu_runner.sampling.sampler import SamplerState
 
 V = 32
@@ -12,7 +13,7 @@ EOS = 3
 
 
 def state_with(slot_params: dict[int, SamplingParams], num_prompt: int = 4) -> SamplerState:
-    state = SamplerState(4, V, "cpu", eos_token_ids=(EOS,))
+    state = SamplerState(4, V, "cpu", eos_token_ids=(EOS,), paths=CPU_SAMPLING)
     for slot, p in slot_params.items():
         state.add(slot, p, num_prompt)
     return state

@@ -7,7 +7,6 @@ import torch
 
 from gapless.common.messages import NewSlot, SamplingParams, StepPlan
 from gapless.common.model_files import ModelArch
-from gapless.gpu_runner.attention import TorchAttention
 from gapless.gpu_runner.batch import (
     IDS,
     LOGIT_ROWS,
@@ -17,6 +16,7 @@ from gapless.gpu_runner.batch import (
     PersistentBatch,
 )
 from gapless.gpu_runner.cpu import kernels
+from gapless.gpu_runner.cpu.attention import TorchAttention
 from gapless.gpu_runner.model import CausalLM
 
 transformers = pytest.importorskip("transformers")

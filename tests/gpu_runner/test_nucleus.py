@@ -2,14 +2,21 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 
-import gapless.gpu_runner.sampling.sampler as sampler_module
 from gapless.common.messages import SamplingParams
+from gapless.gpu_runner.cpu.sampling import CPU_SAMPLING
 from gapless.gpu_runner.sampling.nucleus import mass_above, nucleus_argmax
 from gapless.gpu_runner.sampling.sampler import SamplerState
+
+
+def cpu_paths(sort_free: bool):
+    """The cpu's sampling, with the sort-free or the sorting top_p filter."""
+    return dataclasses.replace(CPU_SAMPLING, sort_free_top_p=sort_free)
 
 
 def params(**overrides: object) -> SamplingParams:
@@ -18,16 +25,12 @@ def params(**overrides: object) -> SamplingParams:
 
 def run(slot_params: dict[int, SamplingParams], logits: torch.Tensor, pos: int, sort_free: bool):
     """Token ids of one sample() over every slot, with the sort-free or the sorting filter."""
-    state = SamplerState(len(slot_params), logits.shape[1], "cpu", seed=3)
+    paths = cpu_paths(sort_free)
+    state = SamplerState(len(slot_params), logits.shape[1], "cpu", seed=3, paths=paths)
     for slot, p in slot_params.items():
         state.add(slot, p, 4)
-    saved = sampler_module._CPU_SORT_FREE_TOP_P
-    sampler_module._CPU_SORT_FREE_TOP_P = sort_free
-    try:
-        slots = torch.arange(len(slot_params))
-        out = state.sample(logits, slots, torch.full_like(slots, pos), list(slot_params))
-    finally:
-        sampler_module._CPU_SORT_FREE_TOP_P = saved
+    slots = torch.arange(len(slot_params))
+    out = state.sample(logits, slots, torch.full_like(slots, pos), list(slot_params))
     return out.token_ids
 
 
@@ -108,15 +111,10 @@ def test_bench_top_p(benchmark, batch: int, sort_free: bool) -> None:  # type: i
     # logits with a real model's spread: a few likely tokens over a long flat tail
     logits = torch.randn(batch, vocab, generator=gen) * 2.5
     slot_params = {s: params(temperature=0.8, top_p=0.95) for s in range(batch)}
-    state = SamplerState(batch, vocab, "cpu")
+    state = SamplerState(batch, vocab, "cpu", paths=cpu_paths(sort_free))
     for slot, p in slot_params.items():
         state.add(slot, p, 4)
     slots = torch.arange(batch)
     positions = torch.full((batch,), 100)
-    saved = sampler_module._CPU_SORT_FREE_TOP_P
-    sampler_module._CPU_SORT_FREE_TOP_P = sort_free
-    try:
-        out = benchmark(state.sample, logits, slots, positions, np.arange(batch))
-    finally:
-        sampler_module._CPU_SORT_FREE_TOP_P = saved
+    out = benchmark(state.sample, logits, slots, positions, np.arange(batch))
     assert out.token_ids.shape == (batch,)

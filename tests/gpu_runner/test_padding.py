@@ -10,8 +10,8 @@ import torch
 
 from gapless.common.messages import NewSlot, SamplingParams, StepPlan
 from gapless.gpu_runner.batch import IDS, LOGIT_ROWS, SLOT_MAPPING, PersistentBatch
+from gapless.gpu_runner.cpu.backend import CpuBackend
 from gapless.gpu_runner.graph import capture_sizes, padded_size
-from gapless.gpu_runner.runner import ModelRunner
 from tests.engine_harness import Harness, make_config
 
 GREEDY = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
@@ -84,20 +84,21 @@ class Plans:
         return plan
 
 
-def forward_plan(runner: ModelRunner, plan: StepPlan):
-    """The runner's step up to the logits: (inputs, [B_s, vocab] logits of the sampling rows)."""
-    runner.begin(plan)
-    inp, meta = runner.prepare(plan)
-    return inp, runner.run_model(inp, meta)
+def forward_plan(backend, plan: StepPlan):
+    """A backend's step up to the logits: (inputs, [B_s, vocab] logits of the sampling rows)."""
+    step = backend.executor
+    step.begin(plan)
+    inp, meta = step.prepare(plan)
+    return inp, step.run_model(inp, meta)
 
 
-def _run(runner: ModelRunner, plans: list[StepPlan]) -> tuple[list, list]:
+def _run(runner: CpuBackend, plans: list[StepPlan]) -> tuple[list, list]:
     tokens, logits = [], []
     with torch.inference_mode():
         for plan in plans:
             inp, step_logits = forward_plan(runner, plan)
             logits.append(step_logits.clone())
-            tokens.append(runner.sample(inp, step_logits).token_ids.tolist())
+            tokens.append(runner.executor.sample(inp, step_logits).token_ids.tolist())
     return tokens, logits
 
 
@@ -115,7 +116,7 @@ def _plans(num_requests: int, block_size: int, num_decodes: int) -> list[StepPla
 @pytest.fixture(scope="module")
 def runners(tiny_model_dir):
     config = make_config(tiny_model_dir, block_size=4, max_num_seqs=16)
-    return lambda pad: ModelRunner(config, use_graphs=pad)
+    return lambda pad: CpuBackend(config, use_graphs=pad)
 
 
 @pytest.mark.parametrize("num_requests", [3, 5, 9, 16])
@@ -135,7 +136,7 @@ def test_padded_decode_equals_unpadded(runners, num_requests):
 
 
 def _cache(runner) -> torch.Tensor:  # [layers, 2, R, KVH, d], a copy
-    return torch.stack([torch.stack(kv) for kv in runner.kv_cache])
+    return torch.stack([torch.stack(kv) for kv in runner.executor.kv_cache])
 
 
 def test_dummies_write_only_block_zero(runners):

@@ -11,6 +11,7 @@ from gapless.bench.cpu_step import Streams, runner_config
 from gapless.bench.perplexity import decode_perplexity, perplexity
 from gapless.common.model_files import load_arch, load_tokenizer, resolve_model
 from gapless.gpu_runner.cpu import kernels
+from gapless.gpu_runner.cpu.formats import resolve_quantization
 from gapless.gpu_runner.cpu.quant import (
     DENSE_ROWS,
     KERNEL_DTYPE,
@@ -27,7 +28,6 @@ from gapless.gpu_runner.cpu.quant import (
     quantize_model,
 )
 from gapless.gpu_runner.model.weights import load_weights
-from gapless.gpu_runner.runner import resolve_quantization
 
 
 def _bf16(t: torch.Tensor) -> torch.Tensor:
@@ -255,7 +255,7 @@ SMALL = ["--max-num-seqs", "1", "--kv-cache-memory", "16MiB", "--threads", "2"]
 
 @pytest.mark.slow
 def test_quantized_formats_keep_perplexity_within_2_percent_and_say_paris(default_gguf) -> None:
-    from gapless.gpu_runner.runner import ModelRunner
+    from gapless.gpu_runner.cpu.backend import CpuBackend
 
     text = (
         "The river town woke slowly on market days. Before the sun cleared the hills, the "
@@ -276,7 +276,7 @@ def test_quantized_formats_keep_perplexity_within_2_percent_and_say_paris(defaul
             "--model", str(default_gguf), *SMALL, "--dtype", dtype, "--quantization", quant,
             *compile,
         ]  # fmt: skip
-        runner = ModelRunner(runner_config(args, 1, 256))
+        runner = CpuBackend(runner_config(args, 1, 256)).executor
         tok = load_tokenizer(runner.config.model)
         ppl[quant] = perplexity(runner, tok.encode(text).ids)
         if quant in ("int8", "int4-dual"):  # also through one-row steps, as one stream is served

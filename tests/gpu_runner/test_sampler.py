@@ -1,12 +1,16 @@
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 
 import gapless.gpu_runner.sampling.sampler as sampler_module
 from gapless.common.messages import SamplingParams
-from gapless.gpu_runner.sampling.sampler import SamplerState, exponentials, mix64
+from gapless.gpu_runner.cpu.sampling import CPU_SAMPLING
+from gapless.gpu_runner.sampling.draws import exponentials, fmix32_, mix64
+from gapless.gpu_runner.sampling.sampler import SamplerState, SamplingPaths
 
 CPU = torch.device("cpu")
 
@@ -22,11 +26,21 @@ def make_state(
     num_prompt_tokens: int = 4,
     seed: int = 0,
     device: torch.device = CPU,
+    paths: SamplingPaths | None = None,
 ) -> SamplerState:
-    state = SamplerState(max_slots, vocab_size, device, seed=seed)
+    """A state as the device's backend makes it (its sampling paths), unless `paths`."""
+    if paths is None:
+        paths = CPU_SAMPLING if device.type == "cpu" else _cuda_sampling()
+    state = SamplerState(max_slots, vocab_size, device, seed=seed, paths=paths)
     for slot, p in slot_params.items():
         state.add(slot, p, num_prompt_tokens)
     return state
+
+
+def _cuda_sampling() -> SamplingPaths:
+    from gapless.gpu_runner.cuda.backend import CUDA_SAMPLING
+
+    return CUDA_SAMPLING
 
 
 def sample(
@@ -59,7 +73,7 @@ def test_mix64_wraps_like_unsigned_splitmix64() -> None:
 
 def test_exponentials_are_positive_finite_with_unit_mean() -> None:
     keys = mix64(torch.arange(64, dtype=torch.int64))
-    q = exponentials(keys, sampler_module._fmix32_(torch.arange(4096, dtype=torch.int32)))
+    q = exponentials(keys, fmix32_(torch.arange(4096, dtype=torch.int32)))
     assert q.shape == (64, 4096) and q.dtype == torch.float32
     assert bool((q > 0).all()) and bool(torch.isfinite(q).all())
     assert abs(q.mean().item() - 1.0) < 0.01 and abs(q.var().item() - 1.0) < 0.03
@@ -69,7 +83,7 @@ def test_exponentials_are_never_zero() -> None:
     # 2**24 draws meet every u just below 1 that a float32 difference of logs rounded to q = 0
     # (about 1 in 10**6): a zero q turned a filtered-out token's 0 / 0 into the argmax
     keys = mix64(torch.arange(4, dtype=torch.int64))
-    q = exponentials(keys, sampler_module._fmix32_(torch.arange(2**22, dtype=torch.int32)))
+    q = exponentials(keys, fmix32_(torch.arange(2**22, dtype=torch.int32)))
     assert float(q.min()) >= 2.0**-24 * 0.99  # -log(1 - 2**-24), the smallest q there is
 
 
@@ -184,7 +198,7 @@ def test_different_seeds_and_unseeded_steps_differ() -> None:
     assert len(set(draws[:, 2].tolist())) >= 18  # unseeded: fresh randomness every step
 
 
-def test_sampling_in_cpu_blocks_matches_one_block(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_sampling_in_cpu_blocks_matches_one_block() -> None:
     vocab, batch = 128, 24
     slot_params = {
         s: params(temperature=0.0)
@@ -195,8 +209,8 @@ def test_sampling_in_cpu_blocks_matches_one_block(monkeypatch: pytest.MonkeyPatc
     logits = torch.randn(batch, vocab)
     slots = list(range(batch))[::-1]
     whole = sample(make_state(slot_params, vocab, batch, seed=7), logits, slots, 5)
-    monkeypatch.setattr(sampler_module, "_CPU_BLOCK_ELEMENTS", 5 * vocab)
-    blocked = sample(make_state(slot_params, vocab, batch, seed=7), logits, slots, 5)
+    blocks = dataclasses.replace(CPU_SAMPLING, block_elements=5 * vocab)
+    blocked = sample(make_state(slot_params, vocab, batch, seed=7, paths=blocks), logits, slots, 5)
     for a, b in zip(whole.__dict__.values(), blocked.__dict__.values(), strict=True):
         assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
 
@@ -322,7 +336,7 @@ def test_logprobs_are_raw_log_softmax_with_sorted_top_lists() -> None:
 
 
 def test_logprobs_request_is_capped_at_max_logprobs() -> None:
-    state = SamplerState(2, 50, CPU, max_logprobs=4)
+    state = SamplerState(2, 50, CPU, max_logprobs=4, paths=CPU_SAMPLING)
     state.add(0, params(logprobs=10), 1)
     out = sample(state, torch.randn(1, 50), [0], 1)
     assert out.top_ids.shape == (1, 4)

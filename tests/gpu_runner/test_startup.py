@@ -1,6 +1,6 @@
-"""The cuda device's startup stages (gpu_runner/cuda/startup.py) run here on the cpu runner, the
+"""The cuda device's startup stages (gpu_runner/cuda/startup.py) run here on the cpu executor, the
 device's memory counters stood in for: the stages and their log, the warm-up leaving the
-runner as new, the KV cache sized from the measured peaks (the gpu-marked tests in
+executor as new, the KV cache sized from the measured peaks (the gpu-marked tests in
 test_cuda.py run the same on a GPU)."""
 
 from __future__ import annotations
@@ -12,9 +12,11 @@ import pytest
 import torch
 
 from gapless.common.config import max_useful_blocks
+from gapless.gpu_runner.cpu.backend import CpuBackend
 from gapless.gpu_runner.cuda import startup
 from gapless.gpu_runner.cuda.memory import GIB, plan_memory
-from gapless.gpu_runner.runner import ModelRunner, kv_block_bytes
+from gapless.gpu_runner.executor import StepExecutor
+from gapless.gpu_runner.kv_cache import kv_block_bytes
 from tests.engine_harness import make_config
 from tests.gpu_runner.test_padding import Plans
 
@@ -48,9 +50,9 @@ class FakeDevice:
 
 
 @pytest.fixture
-def runner(tiny_model_dir) -> ModelRunner:
+def runner(tiny_model_dir) -> StepExecutor:
     config = make_config(tiny_model_dir, block_size=BS, max_num_seqs=4, max_num_batched_tokens=64)
-    r = ModelRunner(config)
+    r = CpuBackend(config).executor
     r.attn.windows = [0]  # flashinfer's attention names its windows; the cpu's has one
     r.captured = 0
     r.capture = lambda: setattr(r, "captured", r.captured + 1)
@@ -68,7 +70,7 @@ def test_the_stages_size_the_cache_from_the_measured_peaks(runner, monkeypatch, 
     real_build = runner.attn.build
     runner.attn.build = lambda layout, slots: built.append(layout) or real_build(layout, slots)
     caplog.set_level(logging.INFO, logger="gapless.gpu_runner")
-    info = startup.start(runner, since=0.0, free_at_start=71 * GIB)
+    info = startup.start(runner, runner.capture, since=0.0, free_at_start=71 * GIB)
     # a prompt step and a decode step planned (in two threads), before anything ran
     assert sorted(b.is_decode for b in built[:2]) == [False, True]
     assert runner.captured == 1
@@ -100,7 +102,7 @@ def test_a_tight_budget_gives_the_cache_what_is_left(runner, monkeypatch):
     monkeypatch.setattr(startup, "build_kernels", lambda r: None)
     # why no margin: this device is 100 blocks of a tiny model, far under a GiB
     monkeypatch.setattr(startup, "plan_memory", functools.partial(plan_memory, margin=0))
-    startup.start(runner, since=0.0, free_at_start=90 * per_block)
+    startup.start(runner, runner.capture, since=0.0, free_at_start=90 * per_block)
     assert runner.num_blocks == 90 - 40 - 10  # 90 % of 100 blocks, less the weights and step
 
 
@@ -109,19 +111,17 @@ def test_kv_cache_memory_keeps_its_size_and_the_warm_up_leaves_no_trace(
 ):
     config = make_config(tiny_model_dir, block_size=BS, max_num_seqs=4, max_num_batched_tokens=64,
                          kv_cache_memory=30 * 2**20)  # fmt: skip
-    r = ModelRunner(config)
+    r = CpuBackend(config).executor
     r.attn.windows = [0]
-    r.capture = lambda: None
     blocks = r.num_blocks
     FakeDevice(total=80 * GIB, free=70 * GIB).patch(monkeypatch)
     monkeypatch.setattr(startup, "build_kernels", lambda r: None)
-    info = startup.start(r, since=0.0, free_at_start=70 * GIB)
+    info = startup.start(r, lambda: None, since=0.0, free_at_start=70 * GIB)
     assert r.num_blocks == blocks and "memory_budget_bytes" not in info
     assert all(not c.any() for kv in r.kv_cache for c in kv)
 
 
 def test_the_first_allocation_holds_the_warm_up_step(tiny_model_dir):
     config = make_config(tiny_model_dir, block_size=BS, max_num_seqs=4, max_num_batched_tokens=64)
-    r = ModelRunner(config)
-    assert startup.sizes_by_kv(r)
-    assert startup.first_blocks(r) == 4 * (64 // 4 // BS) + 1  # 4 prompts of 16, and block 0
+    assert startup.sizes_by_kv(config)
+    assert startup.first_blocks(config) == 4 * (64 // 4 // BS) + 1  # 4 prompts of 16, and block 0

@@ -73,23 +73,21 @@ def test_busy_cores_counts_the_rest_of_the_machine(tmp_path, monkeypatch) -> Non
 
 
 def test_one_row_steps_take_one_thread_while_the_cores_are_busy() -> None:
-    from types import SimpleNamespace
-
     import torch
 
-    from gapless.gpu_runner.runner import ModelRunner
+    from gapless.gpu_runner.cpu.threads import ThreadSizer
 
     before = torch.get_num_threads()
     state = {"busy": True}
-    runner = SimpleNamespace(config=SimpleNamespace(threads=2), busy_cores=lambda: state["busy"])
+    size_threads = ThreadSizer(2, busy=lambda: state["busy"])
     try:
         torch.set_num_threads(2)
-        ModelRunner._size_threads(runner, 1)
+        size_threads(1)
         assert torch.get_num_threads() == 1
-        ModelRunner._size_threads(runner, 4)  # a batch keeps every thread, busy or not
+        size_threads(4)  # a batch keeps every thread, busy or not
         assert torch.get_num_threads() == 2
         state["busy"] = False
-        ModelRunner._size_threads(runner, 1)
+        size_threads(1)
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from gapless.gpu_runner.cpu.backend import CpuBackend
 from gapless.gpu_runner.cuda.warmup import run_warmup, warmup_plans, warmup_step
-from gapless.gpu_runner.runner import ModelRunner
 from tests.engine_harness import make_config
 from tests.gpu_runner.test_padding import Plans
 
@@ -57,9 +57,9 @@ def _tokens(runner, n_decodes=4) -> list[list[int]]:
 
 def test_a_warmed_up_runner_serves_as_a_fresh_one(tiny_model_dir):
     config = make_config(tiny_model_dir, block_size=BS, max_num_seqs=8, max_num_batched_tokens=64)
-    fresh, warmed = ModelRunner(config), ModelRunner(config)
+    fresh, warmed = CpuBackend(config).executor, CpuBackend(config).executor
     step = warmup_step(64, 8, config.model.max_model_len, BS, warmed.num_blocks - 1)
     run_warmup(warmed, step)
     assert warmed.last_seq == 0 and not warmed.sampler._active.any()
-    assert not warmed.prompt_ids and not warmed.scored_until.any()
+    assert not warmed.prompts.prompt_ids and not warmed.prompts.scored_until.any()
     assert _tokens(warmed) == _tokens(fresh)
