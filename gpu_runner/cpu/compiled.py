@@ -40,9 +40,9 @@ INDUCTOR = {
     # parallel region per kernel costs more in wake-ups than it saves (the matmuls, which the
     # compiler leaves to torch, keep --threads)
     "cpp.threads": 1,
-    # why: ~25 checks of sizes and strides a layer, ~0.4 ms of a 6.4 ms step at batch 1 (5.97
-    # against 6.39 ms, medians of 6 alternating runs in one process; batch 32 unchanged); a
-    # replayed layer's own inputs are checked against the first layer's once, when first seen
+    # why: ~25 checks of sizes and strides a layer, a measurable share of a batch-1 step
+    # (bench/RESULTS.md, "the layers replay the compiled graph"); a replayed layer's own
+    # inputs are checked against the first layer's once, when first seen
     "size_asserts": False,
 }
 _ARGS = ("layer", "x", "cos", "sin", "kv", "meta")  # run_layer's, as dynamo's sources name them
@@ -90,7 +90,7 @@ class _Graph:
         self.x = x
         if names is not None:
             # why code of the sources' names: they are the expressions dynamo evaluates in the
-            # frame (L['meta'].decode_pages.size()[1]); Source.get_value evals each, ~10 us
+            # frame (L['meta'].decode_pages.size()[1]); Source.get_value evals each, slowly
             try:
                 self.fetch = eval(f"lambda L: ({''.join(n + ', ' for n in names)})")  # noqa: S307
             except SyntaxError:
@@ -178,10 +178,9 @@ class CompiledLayers:
     would take the same graph without checking, as its guards skip the layers' modules.
 
     why: per layer, dynamo's cache lookup and the bytecode that gathers the graph's inputs
-    took ~55 us (torch profiler, batch 32, default model), ~1.6 ms of a step whatever its
-    size. Median decode step, default model and settings, 6 alternating runs of 24 steps in one
-    process (AMD EPYC, AVX-512, 2 cores, a slow spell of the VM): batch 32, 34.3 ms against
-    36.8 (0.93x); batch 1, 6.5 against 7.8 ms (0.83x); the same tokens.
+    cost the same whatever the step's size; replayed, the decode step is faster at batch 1
+    and at batch 32, with the same tokens (bench/RESULTS.md, "the layers replay the compiled
+    graph").
     """
 
     def __init__(self) -> None:
@@ -240,9 +239,9 @@ class CompiledLayers:
         """The graph and inputs for this step's first layer without the compiler, where the
         compiler chose that graph for a step of the same signature before; else None.
 
-        why: dynamo's guards, cache lookup and input gathering took ~140 us of the first
-        layer's ~350 (a replayed layer took 114; batch 1, default model); the same inputs in
-        kind, shape and value pass the same guards, so the graph they chose serves again."""
+        why: dynamo's guards, cache lookup and input gathering are a large share of the first
+        layer's time (bench/RESULTS.md, "one stream's step"); the same inputs in kind, shape
+        and value pass the same guards, so the graph they chose serves again."""
         if self._last is None:
             return None
         graph, first, seen = self._last

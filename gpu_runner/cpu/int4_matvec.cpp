@@ -33,8 +33,9 @@ namespace {
 constexpr int64_t BLOCK = 32;  // weights per (d, m)
 constexpr int64_t GROUP = 16;  // blocks per group: an int32 lane each
 constexpr int64_t ROWS = 4;    // weight rows per pass: four independent sums per x row
-// why prefetch 2 KB ahead of the codes: one 63 MB call read 37 GB/s without, ~50 with (AMD
-// EPYC, 2 threads; 4 KB ahead 56-75, 1 KB 47-53); a step's calls are far smaller (0.2-1.1 MB)
+// why prefetch 2 KB ahead of the codes: a large call reads the codes faster with it than without
+// or at 1 KB, and a step's calls are far smaller than the calls 4 KB helps (bench/RESULTS.md,
+// "the int4 layers' single row through a VNNI kernel")
 constexpr int64_t PREFETCH = 2048;
 
 // one row of x in the codes' order: q [K] int8, its block scales dx and sums sx [groups * 16]
@@ -71,7 +72,7 @@ void quantize_row(const scalar_t *x, int64_t K, Quantized &out) {
 }
 
 // n bytes from p, zero above; why plain loads where the width allows: AVX-512 masked loads
-// from memory ran at ~half the bandwidth of plain ones (AMD EPYC, Zen 4)
+// from memory run at a fraction of the bandwidth of plain ones on some CPUs (AMD Zen 4)
 inline __m512i tail(const void *p, int64_t n, __mmask64 mask) {
     if (n == 4) return _mm512_zextsi128_si512(_mm_cvtsi32_si128(*static_cast<const int32_t *>(p)));
     if (n == 8) return _mm512_zextsi128_si512(_mm_loadl_epi64(static_cast<const __m128i *>(p)));
@@ -159,7 +160,7 @@ at::Tensor int4_vnni_mm(const at::Tensor &x_in, const at::Tensor &codes, const a
     // why guided: each thread starts on a long run of rows (half, then a quarter, ...), which
     // the prefetchers stream as well as halves, and the last tiles go to whoever is free, so
     // a thread the OS parks does not hold the call up (see int8_matvec.cpp). Tiles taken one
-    // by one in turn read 60 MB at ~22 GB/s, guided or halves at ~32 (before the prefetch).
+    // by one in turn read memory slower than guided or halves.
     constexpr int64_t TILE = 16;
     const int64_t tiles = (N + TILE - 1) / TILE;
     const int threads = at::get_num_threads();

@@ -109,8 +109,7 @@ at::Tensor int8_vnni_mm(const at::Tensor &x_in, const at::Tensor &u, const at::T
     // at K = 576), so the weights are read from memory once whatever M. why taken one by one
     // rather than split in halves: a thread the OS parks (the server's other processes share
     // the cores) leaves its tiles to the other instead of holding the call up (the output
-    // layer beside a busy loop: 2.33 ms, torch's kernel, split in halves, 3.82; quiet 0.71
-    // and 0.96)
+    // layer beside a busy loop: bench/RESULTS.md, "one stream's step")
     constexpr int64_t TILE = 256;
     const int64_t tiles = (N + TILE - 1) / TILE;
     const int threads = at::get_num_threads();

@@ -4,28 +4,24 @@ gapless::int8_vnni_mm; int4_matvec.cpp, gapless::int4_vnni_mm; where the CPU has
 VNNI).
 
 They are built into one library against torch's headers with the machine's C++ compiler the
-first time a runner asks for it (~9 s, the sources side by side on 2 cores) and kept under
+first time a runner asks for it (seconds, the sources side by side) and kept under
 `<cache dir>/kernels`, keyed by the sources, flags, torch's version and the CPU's features;
 loading it registers the operators' cpu kernels. They join torch's OpenMP runtime rather than
 starting a second thread team. Where it cannot be built (no compiler), or for a storage type
 it lacks, attention takes torch's path and int8 and int4 layers torch's kernels.
 
 why an operator of torch's rather than a plain C function called through ctypes: at batch 1
-the call is most of the work. One layer's attention at a 256-token context (bf16, warm caches)
-took 15.6 us as a Python operator around the ctypes call, of which the kernel ~5 us; ctypes'
-21 arguments, the Python in between and the dispatcher took the rest, 30 times a step.
+the call is most of the work, and ctypes' arguments, the Python in between and the dispatcher
+took most of a layer's attention, once per layer a step.
 
 why a kernel of our own: torch's path gathers each decode's K and V blocks into a dense copy,
-then runs SDPA over it; in the compiled batch-32 step of the default model (w8a8, AVX2 EPYC,
-2 cores, ~150-token contexts) that was 79 of 210 ms under torch's profiler (SDPA 45, the
-gather 25, the op around them 9). This kernel reads each cached row once, in place, a
-sequence per task: `make bench`'s test_bench_decode_attention_of_a_step (30 layers' caches,
-32 decodes of 130-170 tokens) took 31.3 ms against torch's 160.5, and the whole decode step
-(`python -m gapless.bench.cpu_step --batch 32 --steps 32 --runs 2 [-- --no-attention-kernel]`,
-alternating twice) 134 / 121 ms against 197 / 183. A task per (sequence, KV head) instead,
-which reads a third of each row, took twice as long on cold caches (1.95 against 0.99 ms a
-layer at 32 decodes of <= 192 tokens). On a CPU with AVX-512 BF16, bfloat16 caches take the
-source's vector path (its header has the measurements: 3.7 against 17.7 ms in bfloat16).
+then runs SDPA over it, a large share of a compiled batch-32 step. This kernel reads each
+cached row once, in place, a sequence per task, several times faster than torch's path
+(`make bench`'s test_bench_decode_attention_of_a_step; the whole step: `python -m
+gapless.bench.cpu_step --batch 32 [-- --no-attention-kernel]`). A task per (sequence, KV head)
+instead, which reads a third of each row, took twice as long on cold caches. On a CPU with
+AVX-512 BF16, bfloat16 caches take the source's vector path. The figures: bench/RESULTS.md,
+"the paged decode kernel" and "attention's vector path, fused projections, numpy's argmax".
 """
 
 from __future__ import annotations
@@ -91,7 +87,7 @@ def _build(out: Path) -> None:
     torch_libs = [f"-L{p}" for p in libs] + [f"-Wl,-rpath,{p}" for p in libs]
     torch_libs += ["-lc10", "-ltorch_cpu"]
     try:
-        # why side by side: each source takes ~6 s with torch's headers, a cold start's wait
+        # why side by side: each source takes seconds with torch's headers, a cold start's wait
         compiles = [
             subprocess.Popen([compiler, *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *includes,
                               "-c", str(source), "-o", str(obj)],

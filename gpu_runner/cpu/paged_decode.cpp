@@ -22,10 +22,10 @@
 // sixteen dot products summed across lanes together; softmax with a vectorized exp; the
 // weighted sum of V in float32. The next page is prefetched a slice per (tile, head), spread
 // over the work. The portable loop leaves all this to the compiler, which reduces each dot product on
-// its own, calls the scalar exp per score and waits on every page it reads: at 30 layers of 32
-// decodes of 130-170 tokens in scattered blocks (test_bench_decode_attention_of_a_step, bf16,
-// 2 threads, AVX-512 EPYC) it took 17.7 ms, this path 3.7; prefetching the whole next page in
-// one burst instead stalled on the loads (7.4 ms), and without prefetch 8.5 ms.
+// its own, calls the scalar exp per score and waits on every page it reads, several times slower
+// (test_bench_decode_attention_of_a_step, bf16); prefetching the whole next page in one burst
+// instead stalled on the loads, and no prefetch was slower still (bench/RESULTS.md,
+// "attention's vector path, fused projections, numpy's argmax").
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>

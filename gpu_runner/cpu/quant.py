@@ -37,22 +37,18 @@ log = logging.getLogger("gapless.gpu_runner")
 
 GROUP = 32  # int4 group size: Q4_1's block
 Q4_1_BLOCK_BYTES = 20  # fp16 d, fp16 m, 16 bytes of 32 nibbles
-# why: torch's int8 / int4 cpu kernels are fast in bfloat16 only. On an AVX2-only AMD EPYC
-# (2 cores) the default model's matmuls at batch 1 / 32 took 20.1 / 155.9 ms (int8) and 17.0 /
-# 159.9 ms (int4) with bfloat16 inputs against 70.1 / 2295 and 159.5 / 3871 ms with float32
-# ones, float32 weights taking 48.8 / 131.8 (`python -m gapless.bench.floor --batch 1 32
-# --format fp32 int8 int4 int8-fp32 int4-fp32` before this rule). So a float32 model converts
+# why: torch's int8 / int4 cpu kernels are fast in bfloat16 only; with float32 inputs they are
+# several to tens of times slower, and slower than float32 weights. So a float32 model converts
 # a quantized layer's input to bfloat16 and its output back, and keeps float32 elsewhere
-# (attention, norms, the KV cache): on that CPU a batch-32 step took 199.5 ms so against 463.8
-# with bfloat16 activations (`python -m gapless.bench.cpu_step --batch 32 -- --dtype D
-# --quantization int4`).
+# (attention, norms, the KV cache), which on a CPU without bfloat16 instructions is the faster
+# step (`python -m gapless.bench.floor`, `python -m gapless.bench.cpu_step`; bench/RESULTS.md,
+# "int8 weights, float32 activations").
 KERNEL_DTYPE = torch.bfloat16
 # why: the int8 kernel's time grows with its rows much faster than BLAS's. Past DENSE_ROWS
 # rows (eager calls only: prefill chunks, --no-compile), an int8 layer widens its weight to
-# the activations' dtype (q * scale, the same weights) and calls F.linear. On the AVX2 EPYC,
-# float32: the kernel took the model's matmuls at 64 / 128 / 512 rows in 239 / 559 / 1851 ms,
-# widened 349 ms at 128 and 986 at 512 (the widening ~100 ms of it), float32 weights
-# 148 / 250 / 873 (`python -m gapless.bench.floor --batch 32 64 128 512 --format int8-fp32 fp32`).
+# the activations' dtype (q * scale, the same weights) and calls F.linear, which is faster from
+# there on (`python -m gapless.bench.floor --batch 32 64 128 512 --format int8-fp32 fp32`;
+# bench/RESULTS.md, "int8 weights, float32 activations").
 DENSE_ROWS = 64
 # False: int8 / int4 layers keep torch's kernels for single rows too (to compare; see
 # Int8Linear, Int4Linear)
@@ -60,13 +56,12 @@ INT8_VNNI = True
 INT4_VNNI = True
 # why 63: on x86 without VNNI, fbgemm multiplies 8-bit activations (0..255) by 8-bit weights
 # pairwise into 16 bits, which saturate past 32767; 2 * 255 * 63 cannot. The alternative, 7-bit
-# activations (fbgemm's reduce_range), cost the default model +11% perplexity against +0.40%
-# with 7-bit weights and 8-bit activations (`python -m gapless.bench.perplexity`).
+# activations (fbgemm's reduce_range), cost the default model many times the perplexity of 7-bit
+# weights and 8-bit activations (`python -m gapless.bench.perplexity`; bench/RESULTS.md, "w8a8").
 W8A8_TOP = 63
-# why 16: on an AMD EPYC with AVX-512 BF16 (2 cores) the default model's matmuls took, at
-# batch 1 / 2 / 4 / 8 / 16 / 32, 6.1 / 6.1 / 7.0 / 10.2 / 17.2 / 33.2 ms with int4 weights
-# against 17.6 / 14.1 / 14.2 / 15.4 / 18.1 / 28.6 ms with bfloat16 ones (`python -m
-# gapless.bench.floor --batch 1 2 4 8 16 32 --format int4 bf16`)
+# why 16: up to here int4 weights take the default model's matmuls faster than bfloat16 ones
+# where bfloat16 is native, past it slower (`python -m gapless.bench.floor --batch 1 2 4 8 16
+# 32 --format int4 bf16`; bench/RESULTS.md, "int4-dual")
 SMALL_ROWS = 16
 QUANTIZED = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
@@ -78,9 +73,8 @@ class Int8Linear(nn.Module):
     (gpu_runner/cpu/int8_matvec.cpp), which quantizes the row to 8 bits per block of 32 and takes
     int8 x int8 products; it keeps its own copy of the weights, biased to uint8 (`vnni`).
     why: torch's weight-only kernel widens each weight to float, and at one row that is most
-    of its time: the default model's output layer (49152 x 576) took 0.96 ms with its weights
-    in memory, 0.71-0.75 ms this way (0.66 / 0.46 in cache; AVX-512 EPYC, 2 threads; more in
-    bench/RESULTS.md). At 2 to 16 rows torch's kernel is as fast or faster, so it keeps them.
+    of its time, which this kernel saves (bench/RESULTS.md, "one stream's step"). At 2 to 16
+    rows torch's kernel is as fast or faster, so it keeps them.
     The copy doubles an int8 layer's bytes in memory (the output layer: +28 MB), never those
     a step reads."""
 
@@ -117,14 +111,13 @@ class Int4Linear(nn.Module):
     (gpu_runner/cpu/int4_matvec.cpp), which quantizes the row to 8 bits per block of 32 (as
     llama.cpp's Q4_1 x Q8_1 products do) and takes 4-bit x 8-bit products from its own copy
     of the codes (`vnni_codes`, d and m float16 as in the file; +66 MB for the default model).
-    why: one stream through HTTP decoded 167.7 tok/s against 149.2 with torch's kernel (median
-    of 6 runs each, the two servers in turn, AVX-512 EPYC, 2 cores). Quiet, alone, the two
-    kernels take the same time in a step (2.1 ms of the default model's 120 calls): the gain
-    is beside the server's other processes, where torch's kernel, split in halves, waits for
-    the half of a thread the OS parked, and this one's last tiles go to whichever thread is
-    free. What it costs: decode perplexity +0.81% of fp32 against +0.10% (`python -m
-    gapless.bench.perplexity --decode`). At 2 or more rows torch's kernel is faster (4 rows:
-    3.8-4.0 against 5.7 ms for the 120 layers), so it keeps them."""
+    why: one stream served through HTTP decodes faster with it than with torch's kernel.
+    Quiet, alone, the two kernels take the same time in a step: the gain is beside the
+    server's other processes, where torch's kernel, split in halves, waits for the half of a
+    thread the OS parked, and this one's last tiles go to whichever thread is free. What it
+    costs: a little decode perplexity (`python -m gapless.bench.perplexity --decode`). At 2 or
+    more rows torch's kernel is faster, so it keeps them (bench/RESULTS.md, "the int4 layers'
+    single row through a VNNI kernel")."""
 
     def __init__(
         self,
@@ -177,9 +170,9 @@ PACKED: dict[int, object] = {}
 _HANDLES = itertools.count()
 
 
-# why a plain library op rather than torch.library.custom_op: the compiled step calls it ~200
-# times a step, and custom_op's Python wrappers cost ~30 us a call more (a 64 x 32 layer of 2
-# rows: 78 against 47 us, fbgemm alone 36, AVX2 EPYC)
+# why a plain library op rather than torch.library.custom_op: the compiled step calls it for
+# every quantized layer, and custom_op's Python wrappers cost more a call than fbgemm's matmul
+# of a small layer (bench/RESULTS.md, "w8a8")
 _LIB = torch.library.Library("gapless", "FRAGMENT")
 _LIB.define("w8a8_linear(Tensor x, Tensor handle, Tensor scales) -> Tensor")
 _LINEAR_DYNAMIC = torch.ops.quantized.linear_dynamic.default
@@ -216,9 +209,8 @@ class W8A8Linear(nn.Module):
             "weights in -63..63"
         )
         zero = torch.zeros(weight.shape[0], dtype=torch.long)
-        # why not quantize_per_channel: it rounds float weights again, 150x slower than taking
-        # the int8 values as they are (9.6 against 0.06 ms for a 1536 x 576 layer), ~2 s of a
-        # start over the default model's layers
+        # why not quantize_per_channel: it rounds float weights again, over a hundred times
+        # slower than taking the int8 values as they are, seconds of a start
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # torch's quantized tensors are old
             qweight = torch._make_per_channel_quantized_tensor(weight, scales.double(), zero, 0)
@@ -239,11 +231,9 @@ class W8A8Linear(nn.Module):
         lead = x.shape[:-1]
         flat = x.reshape(-1, x.shape[-1])
         if flat.shape[0] == 1:
-            # why: fbgemm's dynamic matmul costs ~37 us a call whatever its size, and the op
-            # around it ~27 more, against ~18 us for the weight-only kernel (a 64 x 32 layer,
-            # AVX2 EPYC); at ~200 calls a token that was 10-13 ms of a one-stream step (TPOT
-            # 48.4 / 57.1 ms against 35.1 / 46.9 with int8, served, two alternating pairs).
-            # It costs a second int8 copy of the weights.
+            # why: fbgemm's dynamic matmul has a fixed cost a call whatever its size, several
+            # times the weight-only kernel's at one row, and a step calls it for every layer
+            # (bench/RESULTS.md, "w8a8"). It costs a second int8 copy of the weights.
             return self.one_row(x)
         flat = flat.float()
         # why each row scaled to 1 first: fbgemm quantizes the whole input with one scale, and

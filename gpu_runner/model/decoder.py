@@ -16,9 +16,8 @@ from gapless.gpu_runner.model.moe import MoE
 from gapless.gpu_runner.model.rope import Rope
 
 # why fused: one matmul over the concatenated rows reads the same weights in fewer, larger
-# calls; at the default model's shapes (30 layers, AVX-512 EPYC, 2 threads) q, k, v, gate and
-# up took 3.30 ms a step as five int4 calls at one row against 2.2 as two, and 16.1 against
-# 14.5 ms as bf16 F.linear at 32 rows. Checkpoints keep the separate Hugging Face names;
+# calls, faster at one row and at 32 (bench/RESULTS.md, "attention's vector path, fused
+# projections, numpy's argmax"). Checkpoints keep the separate Hugging Face names;
 # fuse_weights concatenates them on load (Phi-3's are joined already).
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 STACKED = ("gate_up_proj", "down_proj")  # each expert's layers -> mlp.experts.<name> [E, ...]

@@ -63,7 +63,7 @@ class GrammarRows:
         self.vocab_size = vocab_size
         self.device = device
         self._eos = list(eos)
-        # why at start: building it (~0.2 s) inside a step would stall every row of that step
+        # why at start: building it inside a step would stall every row of that step
         self.cache = GrammarCache(make_tokenizer(tokenizer_json, vocab_size, tuple(eos)))
         self._matchers: dict[int, llguidance.LLMatcher] = {}
         self._num_prompt = np.zeros(max_slots, np.int64)
