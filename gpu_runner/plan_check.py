@@ -13,6 +13,7 @@ an array and compared with the slots' blocks.
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -20,7 +21,9 @@ from gapless.common.bad_messages import BadMessages
 from gapless.common.checks import params_problem
 from gapless.common.config import EngineConfig
 from gapless.common.messages import StepPlan
-from gapless.gpu_runner.batch import PersistentBatch
+
+if TYPE_CHECKING:  # why: the runner process imports this before torch loads (cpu/threads.py)
+    from gapless.gpu_runner.batch import PersistentBatch
 
 log = logging.getLogger("gapless.gpu_runner")
 
