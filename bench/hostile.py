@@ -86,8 +86,9 @@ async def non_reader(
 ) -> tuple[str, float]:
     """A stream whose client reads nothing for hold_s, then reads what is there: `cut` when the
     server had ended it (a 200 stream whose last event is a slow_reader error, then the
-    connection closed), `cut_unread` when the server had ended it and then reset the connection
-    as its last event stayed unread, else `not_cut`, `closed_without_error` or the status."""
+    connection closed), `cut_unread` when the server had ended it and then dropped the
+    connection mid-stream as its last event stayed unread, else `not_cut`,
+    `closed_without_error` (a whole stream that ended without one) or the status."""
     request = {"model": model, "prompt": "tell me a story", "max_tokens": max_tokens,
                "ignore_eos": True, "stream": True}  # fmt: skip
     body = json.dumps(request).encode()
@@ -127,7 +128,9 @@ async def non_reader(
             return "not_cut", took
         if b'"code":"slow_reader"' in data[-4096:]:
             return "cut", took
-        return ("cut_unread" if reset else "closed_without_error"), took
+        if reset or not data.endswith(b"0\r\n\r\n"):  # ended mid-stream: its last event unread
+            return "cut_unread", took
+        return "closed_without_error", took
     finally:
         sock.close()
 
