@@ -1,4 +1,4 @@
-"""A request as the core sees it, and the two checks that end one: length and stop tokens."""
+"""A request as the core sees it, and the length at which it ends."""
 
 from __future__ import annotations
 
@@ -24,48 +24,13 @@ def length_limit(num_prompt, max_tokens, max_model_len):
     return np.minimum(num_prompt + max_tokens, max_model_len)
 
 
-def check_stop(
-    tokens: np.ndarray,
-    num_tokens: np.ndarray,
-    limit: np.ndarray,
-    ignore_eos: np.ndarray,
-    has_stop_ids: np.ndarray,
-    requests: list[Request],
-    eos: np.ndarray,
-    min_len: np.ndarray | None = None,
-) -> tuple[list[str], np.ndarray]:
-    """Why each row's request ends after sampling tokens[j] ("" if it goes on), and [R] bool
-    whether it ends.
-
-    All arrays are [R], one row per request: tokens its new id; num_tokens its length with that
-    id; limit its Request.limit; requests are read only for rows with stop token ids (empty
-    when no row has them); min_len the prompt length plus min_tokens (a stop token at or below
-    it does not end the request; the sampler masks them there, this guards the devices that do
-    not sample). A stop token wins over length: it ends the request either way and its text is
-    withheld.
-    """
-    # why the special case: one EOS id is the usual case, and a 2-D compare costs ~3x more
-    stop = tokens == eos[0] if len(eos) == 1 else (tokens[:, None] == eos).any(1)
-    if stop.any():
-        stop &= ~ignore_eos
-    if requests:
-        for j in np.flatnonzero(has_stop_ids).tolist():  # only rows that gave stop_token_ids
-            stop[j] |= int(tokens[j]) in requests[j].params.stop_token_ids
-    length = num_tokens >= limit
-    if stop.any():
-        if min_len is not None:
-            stop &= num_tokens > min_len
-    elif not length.any():  # why: most steps end nothing, and the reasons below cost ~10 us
-        return [""] * len(tokens), stop
-    reasons = np.where(stop, "stop_token", np.where(length, "length", "")).tolist()
-    return reasons, stop | length
-
-
 class Request:
     """One request's identity, inputs and life. Each fact has one owner: while the request
     holds a batch slot its output ids and counters live in the running batch's arrays
     (core/running.py) and are read through the properties below; off a slot they live here.
-    Moving in and out of a slot moves them, so no copy goes stale.
+    Moving in and out of a slot moves them, so no copy goes stale. The per-request fields a
+    step reads row by row (core/rows.py: FIELDS) are read off it when it takes a slot; they do
+    not change while it holds one.
     """
 
     __slots__ = (

@@ -1,4 +1,4 @@
-"""The steady-decode plan (Scheduler._plan_decode) against the general plan: the same steps,
+"""The steady-decode plan (Planner.plan_decode) against the general plan: the same steps,
 outputs and accounting, over random workloads with overlap, preemption, stops and aborts."""
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def _run(seed: int, general: bool, policy: str, depth: int, **config):
     arrivals = _requests(rng, 40)
     s = make_scheduler(policy=make_policy(policy), **config)
     decode_steps = [0, 0, 0]  # steps the decode plan made; with new blocks; with a row left out
-    plan_decode = s._plan_decode
+    plan_decode = s.planner.plan_decode
 
     def counted(d):
         step = plan_decode(d)
@@ -57,7 +57,7 @@ def _run(seed: int, general: bool, policy: str, depth: int, **config):
             decode_steps[2] += len(step.plan.slots) < len(d.slot_list)
         return step
 
-    s._plan_decode = (lambda d: None) if general else counted
+    s.planner.plan_decode = (lambda d: None) if general else counted
     inflight: deque = deque()
     log = []
     for _ in range(600):

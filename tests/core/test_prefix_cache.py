@@ -477,7 +477,7 @@ def test_the_frontends_hashes_are_the_ones_the_core_computes():
     s = make_scheduler(block_size=4, model_salt="model-path")
     prompt = SHARED + [1, 2]
     computed = add(s, "a", prompt, salt="t")
-    assert s._hashes(computed, 5)[:5] == chain_hashes(hash_root("model-path", "t"), prompt, 4)
+    assert s.prefix.hashes(computed, 5)[:5] == chain_hashes(hash_root("model-path", "t"), prompt, 4)
     run_to_end(s)
     given = s.add_request(
         AddRequest(

@@ -139,7 +139,7 @@ def test_the_cores_roots_stay_bounded() -> None:
     """Tenants and salts are the clients' to choose: the core keeps a bounded table of roots."""
     s = make_scheduler(block_size=4)
     for i in range(5000):
-        s._root(cache_scope(f"t{i}", ""))
-    assert len(s._roots) <= 4096
+        s.prefix._root(cache_scope(f"t{i}", ""))
+    assert len(s.prefix._roots) <= 4096
     scope = cache_scope("a", "")
-    assert s._root(scope) == hash_root(s._model_salt, scope)
+    assert s.prefix._root(scope) == hash_root(s.prefix._model_salt, scope)

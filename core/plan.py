@@ -1,0 +1,196 @@
+"""Planning a step over the running set's view (RunningBatch.rows()).
+
+Two paths make the same plans. While every running request decodes and nobody can take a
+seat, the steady-decode plan feeds every row its last token with a few array operations over
+the view, keeping the KV capacity of its rows across steps. Otherwise the general plan gives
+each running request the tokens it still needs within the budget (preempting while the KV
+blocks run short), seats waiting requests with what is left, and builds the plan entry by
+entry. Both hand the step the view of the rows it samples, which applying its result reads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from gapless.common.messages import NewSlot, StepPlan
+from gapless.core.admit import charge_prompt
+from gapless.core.kv_blocks import BlockManager, SlotManager
+from gapless.core.policy import Policy
+from gapless.core.request import Request
+from gapless.core.rows import Rows
+from gapless.core.running import RunningBatch
+from gapless.core.step import ScheduledStep
+
+_EMPTY = np.zeros(0, np.int64)
+
+
+class Planner:
+    def __init__(
+        self,
+        rb: RunningBatch,
+        blocks: BlockManager,
+        slots: SlotManager,
+        policy: Policy,
+        max_num_batched_tokens: int,
+        preempt: Callable[[Request], None],
+    ) -> None:
+        self.rb = rb
+        self.blocks = blocks
+        self.slots = slots
+        self.policy = policy
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.preempt = preempt
+        self.seq = 0  # of the last plan
+        # the view the steady-decode arrays below belong to; None after a general step, which
+        # moves the counters they hold
+        self._steady: Rows | None = None
+        self._capacity = _EMPTY  # [n] tokens its KV blocks hold: a step starting there needs one
+        self._feed_below = _EMPTY  # [n] limit - 1: computed this far, its last sample is in flight
+
+    def plan_decode(self, rows: Rows) -> ScheduledStep | None:
+        """Every running request feeds its last token and samples one; a request whose blocks
+        are full gets one more. None, having changed nothing, if one of them still prefills,
+        there is nothing to feed or the token budget or the blocks run short (the general plan
+        preempts)."""
+        rb, bs = self.rb, self.blocks.block_size
+        if self._steady is not rows:
+            if not rb.decodes_all(rows.slots):
+                return None
+            self._capacity = rb.num_blocks[rows.slots] * bs
+            self._feed_below = rows.limit - 1
+            self._steady = rows
+        step_rows, slots, capacity = rows, rows.slots, self._capacity
+        start = rb.computed[slots]
+        fed = None  # rows that feed a token, when not all do
+        if not (feeds := start < self._feed_below).all():  # its last sample is in flight
+            fed = np.flatnonzero(feeds)
+            step_rows, start, capacity = rows.take(fed), start[fed], capacity[fed]
+            slots = step_rows.slots
+        n = len(slots)
+        full = np.flatnonzero(start >= capacity)  # every block_size steps per request
+        if not n or n > self.max_num_batched_tokens or not self.blocks.can_allocate(len(full)):
+            return None
+        num_new_blocks, new_blocks = [0] * n, []
+        if len(full):
+            new_blocks = self.blocks.allocate(len(full))
+            sampled = step_rows.requests
+            for j, block in zip(full.tolist(), new_blocks, strict=True):
+                sampled[j].blocks.append(block)
+                num_new_blocks[j] = 1
+            grown = slots[full]
+            rb.num_blocks[grown] += 1
+            rb.num_sent[grown] += 1
+            self._capacity[full if fed is None else fed[full]] += bs
+        rb.computed[slots] = start + 1
+        rb.pending[slots] += 1
+        self.seq += 1
+        plan = StepPlan(
+            seq=self.seq,
+            new_slots=[],
+            freed_slots=self.slots.take_freed(),
+            slots=step_rows.slot_list,
+            num_tokens=[1] * n,
+            start_pos=start.tolist(),
+            has_tokens=[False] * n,
+            token_ids=[],
+            sample=[True] * n,
+            num_new_blocks=num_new_blocks,
+            new_blocks=new_blocks,
+        )
+        return ScheduledStep(
+            plan=plan,
+            rows=step_rows,
+            num_decode_tokens=n,
+            num_released=rb.num_released,
+            decode=rows,
+        )
+
+    def plan_running(self) -> tuple[np.ndarray, np.ndarray]:
+        """Tokens each running request feeds this step, preempting the policy's victim while
+        the KV blocks they need are not there. Returns the entries' [E] slots and [E] tokens,
+        oldest first."""
+        self._steady = None
+        rb, bs = self.rb, self.blocks.block_size
+        while rb.running:
+            rows = rb.rows()
+            rs = rows.slots
+            total, comp = rb.num_tokens(rs), rb.computed[rs]
+            need = total - comp
+            # a request whose last allowed sample is in flight feeds nothing until it finishes
+            need[(need == 1) & (total >= rows.limit)] = 0
+            before = np.cumsum(need) - need
+            take = np.clip(self.max_num_batched_tokens - before, 0, need)
+            grow = np.maximum(-(-(comp + take) // bs) - rb.num_blocks[rs], 0)
+            if self.blocks.can_allocate(int(grow.sum())):
+                for j in np.flatnonzero(grow):
+                    rows.requests[j].blocks.extend(self.blocks.allocate(int(grow[j])))
+                rb.num_blocks[rs] += grow
+                keep = take > 0
+                return rs[keep], take[keep]
+            self.preempt(self.policy.victim(rb.running))
+        return _EMPTY, _EMPTY
+
+    def build(
+        self,
+        slots: np.ndarray,
+        take: np.ndarray,
+        new_slots: list[NewSlot],
+        freed: list[int],
+        num_cached: int,
+        rows: Rows | None = None,
+    ) -> ScheduledStep:
+        """The general plan of these entries ([E] slots, [E] tokens each), admitted ones
+        last; rows: the running set's view when the entries are its rows in order and all
+        sample."""
+        rb = self.rb
+        start = rb.computed[slots]
+        sample = start + take == rb.num_tokens(slots)
+        has_tokens = start < rb.prefill_end[slots]
+        token_ids: list[int] = []
+        scorers: dict[int, Request] = {}
+        for j in np.flatnonzero(has_tokens):  # prompt chunks and recomputes: a few per step
+            req = rb.req[slots[j]]
+            assert req is not None
+            begin, end = int(start[j]), int(start[j] + take[j])
+            token_ids.extend(req.known_tokens(begin, end))
+            charge_prompt(self.policy, req, end)
+            if req.prompt_logprobs is not None:
+                scorers[int(slots[j])] = req
+        assert (take[~has_tokens] == 1).all(), "a device-fed entry has one token"
+        new_count = rb.num_blocks[slots] - rb.num_sent[slots]
+        new_blocks: list[int] = []
+        for j in np.flatnonzero(new_count):  # one block per request every block_size steps
+            req = rb.req[slots[j]]
+            assert req is not None
+            new_blocks.extend(req.blocks[int(rb.num_sent[slots[j]]) :])
+        rb.num_sent[slots] = rb.num_blocks[slots]
+        rb.computed[slots] += take
+        sample_slots = slots[sample]
+        rb.pending[sample_slots] += 1
+        if rows is None or len(sample_slots) < len(slots):
+            rows = rb.gather(sample_slots)
+        self.seq += 1
+        plan = StepPlan(
+            seq=self.seq,
+            new_slots=new_slots,
+            freed_slots=freed,
+            slots=slots.tolist(),
+            num_tokens=take.tolist(),
+            start_pos=start.tolist(),
+            has_tokens=has_tokens.tolist(),
+            token_ids=token_ids,
+            sample=sample.tolist(),
+            num_new_blocks=new_count.tolist(),
+            new_blocks=new_blocks,
+        )
+        return ScheduledStep(
+            plan=plan,
+            rows=rows,
+            num_prefill_tokens=int(take[has_tokens].sum()),
+            num_decode_tokens=int((~has_tokens).sum()),
+            num_cached_tokens=num_cached,
+            num_released=rb.num_released,
+            scorers=scorers,
+        )
