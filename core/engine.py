@@ -71,14 +71,11 @@ class EngineCore:
 
     Depth 3, while the device's steps are shorter than `deep_plan_ms`: with two in flight the
     host's whole round trip (step n's ids published, applied, step n+2 planned, sent and
-    prepared) must fit in one step, and on a busy host it does not. Sim h100-llama3.2-1b, 128
-    streams at ~1.9 ms steps on 2 shared cores: that round trip took 1.2 ms at the median of
-    the steps that kept the device fed, and the core and the runner waited 0.5-0.6 s for a core
-    each per 2.5 s run; steady-decode idle 6.4-13.0% at depth 2 against 1.4-5.0% at depth 3
-    (4 runs each, alternating). What depth 3 costs: a request that arrives waits one step
-    more for its first, and one more row of a finished request is computed and dropped, which
-    is little while steps are short; at longer steps (h100-llama3-8b, the cpu device) depth
-    stays 2.
+    prepared) must fit in one step, and on a busy host with short steps it does not, so the
+    device waits (bench/RESULTS.md, "host floor: three steps ahead"). What depth 3 costs: a
+    request that arrives waits one step more for its first, and one more row of a finished
+    request is computed and dropped, which is little while steps are short; at longer steps
+    (h100-llama3-8b, the cpu device) depth stays 2.
     """
 
     def __init__(
