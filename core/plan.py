@@ -74,14 +74,7 @@ class Planner:
             return None
         num_new_blocks, new_blocks = [0] * n, []
         if len(full):
-            new_blocks = self.blocks.allocate(len(full))
-            sampled = step_rows.requests
-            for j, block in zip(full.tolist(), new_blocks, strict=True):
-                sampled[j].blocks.append(block)
-                num_new_blocks[j] = 1
-            grown = slots[full]
-            rb.num_blocks[grown] += 1
-            rb.num_sent[grown] += 1
+            new_blocks = self._grow(step_rows, full, num_new_blocks)
             self._capacity[full if fed is None else fed[full]] += bs
         rb.computed[slots] = start + 1
         rb.pending[slots] += 1
@@ -106,6 +99,18 @@ class Planner:
             num_released=rb.num_released,
             decode=rows,
         )
+
+    def _grow(self, rows: Rows, full: np.ndarray, num_new_blocks: list[int]) -> list[int]:
+        """One more block for each of these rows ([k] row indices), sent with this step."""
+        new_blocks = self.blocks.allocate(len(full))
+        requests = rows.requests
+        for j, block in zip(full.tolist(), new_blocks, strict=True):
+            requests[j].blocks.append(block)
+            num_new_blocks[j] = 1
+        grown = rows.slots[full]
+        self.rb.num_blocks[grown] += 1
+        self.rb.num_sent[grown] += 1
+        return new_blocks
 
     def plan_running(self) -> tuple[np.ndarray, np.ndarray]:
         """Tokens each running request feeds this step, preempting the policy's victim while
@@ -148,16 +153,7 @@ class Planner:
         start = rb.computed[slots]
         sample = start + take == rb.num_tokens(slots)
         has_tokens = start < rb.prefill_end[slots]
-        token_ids: list[int] = []
-        scorers: dict[int, Request] = {}
-        for j in np.flatnonzero(has_tokens):  # prompt chunks and recomputes: a few per step
-            req = rb.req[slots[j]]
-            assert req is not None
-            begin, end = int(start[j]), int(start[j] + take[j])
-            token_ids.extend(req.known_tokens(begin, end))
-            charge_prompt(self.policy, req, end)
-            if req.prompt_logprobs is not None:
-                scorers[int(slots[j])] = req
+        token_ids, scorers = self._feed(slots, start, take, has_tokens)
         assert (take[~has_tokens] == 1).all(), "a device-fed entry has one token"
         new_count = rb.num_blocks[slots] - rb.num_sent[slots]
         new_blocks: list[int] = []
@@ -194,3 +190,21 @@ class Planner:
             num_released=rb.num_released,
             scorers=scorers,
         )
+
+    def _feed(
+        self, slots: np.ndarray, start: np.ndarray, take: np.ndarray, has_tokens: np.ndarray
+    ) -> tuple[list[int], dict[int, Request]]:
+        """The ids the entries that carry tokens feed (prompt chunks and recomputes: a few per
+        step), charging prompt tokens as they are planned; and slot -> the request each
+        prompt-scoring entry scores."""
+        token_ids: list[int] = []
+        scorers: dict[int, Request] = {}
+        for j in np.flatnonzero(has_tokens):
+            req = self.rb.req[slots[j]]
+            assert req is not None
+            begin, end = int(start[j]), int(start[j] + take[j])
+            token_ids.extend(req.known_tokens(begin, end))
+            charge_prompt(self.policy, req, end)
+            if req.prompt_logprobs is not None:
+                scorers[int(slots[j])] = req
+        return token_ids, scorers
