@@ -1,6 +1,7 @@
 """The runner's boundary: a StepPlan its batch could not run is refused before it changes
 anything (common/bad_messages.py): a StepRefused takes its result's place in line, and the
-core ends that step's requests with an error.
+core ends that step's requests with an error. A plan out of sequence is counted and dropped
+unanswered: no core awaits its result.
 
 Plans come strictly in sequence; a plan frees only slots in use and adds only slots that are
 free, schedules each slot in use at most once, appends blocks of the KV pool (never the reserved

@@ -59,11 +59,14 @@ def run_gpu_runner(config: EngineConfig) -> None:
                     if isinstance(msg, Shutdown):
                         return
                     # why first: a plan the batch cannot run changes nothing; its refusal
-                    # takes the step's place in line, so the core learns of it in order
+                    # takes the step's place in line, so the core learns of it in order. One
+                    # out of sequence is only counted: no core awaits its result
+                    in_line = msg.seq == check.last_seq + 1
                     why = check.refusal(msg)
-                    inflight.append(
-                        backend.launch(msg) if why is None else StepRefused(msg.seq, why)
-                    )
+                    if why is None:
+                        inflight.append(backend.launch(msg))
+                    elif in_line:
+                        inflight.append(StepRefused(msg.seq, why))
             # 2. publish the oldest step once its ids are on the host
             if inflight and _until_ready(backend, inflight[0]) <= 0:
                 step = inflight.popleft()

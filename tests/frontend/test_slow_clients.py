@@ -95,7 +95,10 @@ def test_unread_buffer_cap_aborts_the_request(make_config, engine, registry, bod
 @BODIES
 def test_write_timeout_aborts_the_request(make_config, engine, registry, body, caplog) -> None:
     caplog.set_level(logging.INFO, logger="gapless.access")
-    config = make_config(model_overrides=LONG_CONTEXT, stream_write_timeout_s=1.0)
+    # why the event bound so high: only the timeout may cut here, however slow the machine
+    config = make_config(
+        model_overrides=LONG_CONTEXT, stream_write_timeout_s=1.0, stream_buffer_events=10**7
+    )
     engine.delay_s = 0.001
     with served(config, engine, send_buffer=SEND_BUFFER) as port:
         client = _stop_reading(port, body)
@@ -113,7 +116,9 @@ def test_the_kernel_buffer_hides_no_slow_reader(make_config, engine, registry) -
     """With the kernel's own send buffer (Linux grows it to megabytes), a client that stops
     reading is still cut within the write timeout of the moment it stopped taking bytes."""
     timeout_s = 1.0
-    config = make_config(model_overrides=LONG_CONTEXT, stream_write_timeout_s=timeout_s)
+    config = make_config(
+        model_overrides=LONG_CONTEXT, stream_write_timeout_s=timeout_s, stream_buffer_events=10**7
+    )
     engine.delay_s = 0.002
     with served(config, engine) as port:
         client = _stop_reading(port, BODY)
