@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 import llguidance
-import llguidance.torch as llg_torch
+import llguidance.numpy as llg_np
 import numpy as np
 import torch
 
@@ -70,7 +70,10 @@ class GrammarRows:
         self._fed_until = np.zeros(max_slots, np.int64)  # positions below this are consumed
         self.constrained = np.zeros(max_slots, bool)
         self._pending: tuple[np.ndarray, torch.Tensor, np.ndarray] | None = None
-        self._host_mask = llg_torch.allocate_token_bitmask(max_slots, vocab_size)  # [S, W] int32
+        # [S, W] int32, W = ceil(V / 32), all allowed; llguidance's torch helpers are not used:
+        # importing them loads torch's compiler stack into every runner at start
+        self._host_mask = torch.full(llg_np.get_bitmask_shape(max_slots, vocab_size), -1,
+                                     dtype=torch.int32)  # fmt: skip
         if device.type == "cuda":
             self._host_mask = self._host_mask.pin_memory()
 
@@ -159,6 +162,7 @@ class GrammarRows:
             return logits
         self._catch_up()
         masks = self._host_mask[: len(rows)]
+        host_masks = masks.numpy()  # the same memory
         for i, slot in enumerate(host_slots[rows].tolist()):
             matcher = self._matchers[slot]
             if matcher.is_error():
@@ -166,7 +170,7 @@ class GrammarRows:
                 for eos in self._eos:
                     masks[i, eos // 32] |= 1 << (eos % 32)
             else:
-                llg_torch.fill_next_token_bitmask(matcher, masks, i)
+                llg_np.fill_next_token_bitmask(matcher, host_masks, i)
         # why numpy: unpacking R x V bits is microseconds single-threaded, where a chain of
         # small torch ops costs a thread-pool round trip each on a busy CPU
         bits = np.unpackbits(masks.numpy().view(np.uint8), axis=1, bitorder="little")
