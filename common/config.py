@@ -57,6 +57,9 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
     add_bos_token: bool = False
     chat_template: str | None = None
     tokenizer: str | None = None  # a directory with tokenizer.json, when not the model's own
+    # keys each query sees, its own included, when every layer slides (ModelArch.kv_window):
+    # the core frees the KV blocks behind it; 0: some layer attends to the whole context
+    kv_window: int = 0
     # generation_config.json's sampling values (temperature, top_p, top_k, min_p,
     # repetition_penalty): the defaults of a request that leaves the field out
     sampling_defaults: dict[str, float] = {}

@@ -97,7 +97,8 @@ def _resolve_hf(path: Path, cap: int | None) -> ModelInfo:
     _check_dir(path)
     raw = _read_json(path / "config.json")
     family, config = families.read_config(raw, str(path / "config.json"))
-    families.arch_from_config(raw, str(path))  # why here: a family's refusal before any spawn
+    # why here: a family's refusal before any spawn
+    arch = families.arch_from_config(raw, str(path))
     tok_config = _read_json(path / "tokenizer_config.json")
     tok_json = _read_json(path / "tokenizer.json")
     gen_config = _read_json(path / "generation_config.json")
@@ -123,6 +124,7 @@ def _resolve_hf(path: Path, cap: int | None) -> ModelInfo:
         add_bos_token=bool(add_bos),
         chat_template=_hf_chat_template(path, tok_config),
         sampling_defaults=_sampling_defaults(gen_config),
+        kv_window=arch.kv_window,
     )
 
 
@@ -190,7 +192,7 @@ def _resolve_gguf(path: Path, cap: int | None) -> ModelInfo:
         bos_token_id=None if bos is None else int(bos),
         add_bos_token=bool(add_bos),
         chat_template=meta.get("tokenizer.chat_template"),
-    )
+    )  # kv_window stays 0: no family reads a window over every layer from GGUF metadata
 
 
 def resolve_model(

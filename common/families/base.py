@@ -62,6 +62,13 @@ class ModelArch(msgspec.Struct, frozen=True, kw_only=True):
         """Keys layer `layer` attends to, its own included; 0: all."""
         return self.sliding_window if layer in self.sliding_layers else 0
 
+    @property
+    def kv_window(self) -> int:
+        """The window when every layer slides (the KV blocks behind it are never read again);
+        0 when some layer attends to the whole context."""
+        every = all(self.window(i) for i in range(self.num_layers))
+        return self.sliding_window if every else 0
+
     def is_moe(self, layer: int) -> bool:
         return self.num_experts > 0 and layer not in self.dense_layers
 
