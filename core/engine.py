@@ -98,6 +98,7 @@ class EngineCore:
             ),
             prefix_caching=config.prefix_caching,
             model_salt=config.model.path,
+            window=config.model.kv_window,
         )
         self.inflight: deque[ScheduledStep] = deque()
         self.timeline = DeviceTimeline(config)

@@ -25,8 +25,8 @@ Invariants (tests/core/test_prefix_cache.py checks them after every step, overla
    been sent to the runner. The runner runs plans in order, so any step that reads the block
    (a request that hits it is planned later) runs after those writes. The scheduler registers
    a running request's blocks, as far as its planned steps (all sent) have filled them and
-   their ids are known, when a lookup finds a request of the same first block running, and
-   the rest when it leaves its slot.
+   their ids are known, when a lookup finds a request of the same first block running, when
+   they fall out of a sliding window (6), and the rest when it leaves its slot.
 3. A block a request holds is never evicted: eviction takes only unreferenced blocks. A step in
    flight may still write a block its request has since left (preempted, finished); that block
    is either empty (not reusable) or registered with exactly what that step writes (2), and a
@@ -36,6 +36,17 @@ Invariants (tests/core/test_prefix_cache.py checks them after every step, overla
    cached blocks, so it computes at least its last token, into a block of its own.
 5. Eviction drops the block's name (and, for a head, its waiting fragments) and stamps it
    before it is handed out, so no later lookup can hit it and no fragment can name it.
+6. When every layer slides (core/window.py), a running request gives back its leading blocks
+   that lie wholly behind the window of the step being planned: no step planned from now on
+   reads them, and those planned before run first (the in-order argument of 3). It registers
+   them first, so they join the LRU named, and gives back only registered ones while it can
+   still register: while none went back unregistered and its head, once given back, is still
+   named. Past that (caching off, or the head evicted) they go back empty and the request
+   registers nothing more: `register` names the head it is handed, and a head given back and
+   evicted may hold another request's KV. A hit on such a block needs its whole chain from the
+   head still cached (lookup stops at the first missing name). The request's block list keeps
+   them (fragments read it; the runner's table keeps them, masked): its first
+   `RunningBatch.num_freed` entries are no longer its own, and leaving its slot frees the rest.
 """
 
 from __future__ import annotations
@@ -236,7 +247,8 @@ class BlockManager:
         those are named by hashing `tokens` (block_size per block) chained on the last known
         hash. Names are given when a lookup finds the head (module docstring). A hash that
         already names another block is left to that one (two requests computed the same prefix
-        at once: the second copy stays unnamed)."""
+        at once: the second copy stays unnamed). A request that gave back its head registers
+        only while the head's hash still names a block (invariant 6)."""
         if not self.caching or stop <= start:
             return
         self._num_reusable += stop - start

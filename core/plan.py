@@ -22,6 +22,7 @@ from gapless.core.request import Request
 from gapless.core.rows import Rows
 from gapless.core.running import RunningBatch
 from gapless.core.step import ScheduledStep
+from gapless.core.window import WindowRelease
 
 _EMPTY = np.zeros(0, np.int64)
 
@@ -35,6 +36,7 @@ class Planner:
         policy: Policy,
         max_num_batched_tokens: int,
         preempt: Callable[[Request], None],
+        window: WindowRelease | None = None,
     ) -> None:
         self.rb = rb
         self.blocks = blocks
@@ -42,24 +44,28 @@ class Planner:
         self.policy = policy
         self.max_num_batched_tokens = max_num_batched_tokens
         self.preempt = preempt
+        self.window = window  # gives back blocks behind a sliding window; None: keep them all
         self.seq = 0  # of the last plan
         # the view the steady-decode arrays below belong to; None after a general step, which
         # moves the counters they hold
         self._steady: Rows | None = None
         self._capacity = _EMPTY  # [n] tokens its KV blocks hold: a step starting there needs one
         self._feed_below = _EMPTY  # [n] limit - 1: computed this far, its last sample is in flight
+        self._free_at = _EMPTY  # [n] a step starting there gives back a block (WindowRelease)
 
     def plan_decode(self, rows: Rows) -> ScheduledStep | None:
         """Every running request feeds its last token and samples one; a request whose blocks
-        are full gets one more. None, having changed nothing, if one of them still prefills,
-        there is nothing to feed or the token budget or the blocks run short (the general plan
-        preempts)."""
+        are full gets one more. None if one of them still prefills, there is nothing to feed
+        or the token budget or the blocks run short (the general plan preempts), having changed
+        nothing but given back blocks that fell out of a sliding window."""
         rb, bs = self.rb, self.blocks.block_size
         if self._steady is not rows:
             if not rb.decodes_all(rows.slots):
                 return None
             self._capacity = rb.num_blocks[rows.slots] * bs
             self._feed_below = rows.limit - 1
+            if self.window is not None:
+                self._free_at = self.window.free_at(rows.slots)
             self._steady = rows
         step_rows, slots, capacity = rows, rows.slots, self._capacity
         start = rb.computed[slots]
@@ -69,6 +75,8 @@ class Planner:
             step_rows, start, capacity = rows.take(fed), start[fed], capacity[fed]
             slots = step_rows.slots
         n = len(slots)
+        if self.window is not None and n:
+            self._slide(step_rows, start, fed)
         full = np.flatnonzero(start >= capacity)  # every block_size steps per request
         if not n or n > self.max_num_batched_tokens or not self.blocks.can_allocate(len(full)):
             return None
@@ -100,6 +108,17 @@ class Planner:
             decode=rows,
         )
 
+    def _slide(self, rows: Rows, start: np.ndarray, fed: np.ndarray | None) -> None:
+        """Give back the blocks that fell out of the window of rows starting at [n] start
+        (every block_size steps per request); fed: their indices in the steady view."""
+        assert self.window is not None and rows.slots is not None
+        free_at = self._free_at if fed is None else self._free_at[fed]
+        due = np.flatnonzero(start >= free_at)
+        if len(due):
+            self.window.release(rows, due, start)
+            at = due if fed is None else fed[due]
+            self._free_at[at] = self.window.free_at(rows.slots[due])
+
     def _grow(self, rows: Rows, full: np.ndarray, num_new_blocks: list[int]) -> list[int]:
         """One more block for each of these rows ([k] row indices), sent with this step."""
         new_blocks = self.blocks.allocate(len(full))
@@ -118,6 +137,9 @@ class Planner:
         oldest first."""
         self._steady = None
         rb, bs = self.rb, self.blocks.block_size
+        if self.window is not None and rb.running:
+            rows = rb.rows()
+            self.window.release_due(rows, rb.computed[rows.slots])
         while rb.running:
             rows = rb.rows()
             rs = rows.slots

@@ -7,9 +7,10 @@ first block's hash; a lookup of the same first block registers (offers to the ca
 blocks that its steps already planned have filled, so a request sharing a prefix with one
 still running finds it, and never a block that the step being planned writes. The rest of its
 full blocks with known ids are registered when it leaves its slot (finished or preempted), so
-a preempted request usually finds its own KV again. The allocator names registered blocks
-only when a lookup asks, so distinct prompts pay one probe per lookup and one registration per
-request for the cache.
+a preempted request usually finds its own KV again, and those a sliding window leaves behind
+just before they go back (core/window.py). The allocator names registered blocks only when a
+lookup asks, so distinct prompts pay one probe per lookup and one registration per request for
+the cache.
 """
 
 from __future__ import annotations
@@ -49,8 +50,9 @@ class PrefixCache:
             return []
         running = self._running_heads.get(head)
         if running is not None:
+            rb = self.rb
             for peer in running:
-                self._register_sent(peer, int(self.rb.computed[peer.slot]))
+                self.offer(peer, int(rb.computed[peer.slot]), int(rb.num_freed[peer.slot]))
         if not self.blocks.has_head(head):  # with the frontend's hashes: one dict probe
             return []
         max_blocks = (req.num_tokens - 1) // bs
@@ -71,9 +73,9 @@ class PrefixCache:
             else:
                 peers.append(req)
 
-    def leave(self, req: Request, computed: int) -> None:
-        """req leaves its slot having computed this many tokens: unfile it and register its
-        full blocks."""
+    def leave(self, req: Request, computed: int, num_freed: int = 0) -> None:
+        """req leaves its slot having computed this many tokens and given back its first
+        num_freed blocks (out of a window): unfile it and register its full blocks."""
         if not self.enabled:
             return
         if req.head_hash is not None:
@@ -83,16 +85,27 @@ class PrefixCache:
             else:
                 peers.remove(req)
             req.head_hash = None
-        self._register_sent(req, computed)
+        self.offer(req, computed, num_freed)
 
-    def _register_sent(self, req: Request, computed: int) -> None:
+    def keeps(self, req: Request, num_freed: int) -> bool:
+        """Whether a request that gave back its first num_freed blocks may still register
+        more (kv_blocks invariant 6): none of those went back unregistered, and its head, if
+        given back, is still named (register names the head it is handed, which by then may
+        hold another request's KV)."""
+        if not self.enabled or num_freed > req.num_named:
+            return False
+        return num_freed == 0 or self.blocks.has_head(req.block_hashes[0])
+
+    def offer(self, req: Request, computed: int, num_freed: int = 0) -> None:
         """Register a request's full blocks that the steps planned so far (all sent), having
         computed this many tokens, have filled and whose ids are known, past those it
-        registered before. Those the frontend's prompt hashes cover go with their hashes; the
-        rest (outputs) with their tokens, hashed only if a lookup ever asks (kv_blocks: lazy
-        names)."""
+        registered before; nothing once its chain has lost a block (`keeps`). Those the
+        frontend's prompt hashes cover go with their hashes; the rest (outputs) with their
+        tokens, hashed only if a lookup ever asks (kv_blocks: lazy names)."""
+        if num_freed and not self.keeps(req, num_freed):
+            return
         bs = self.blocks.block_size
-        known = min(computed, len(req.prompt_ids) + len(req.output_ids))
+        known = min(computed, req.num_prompt + req.num_outputs)
         first, last = req.num_named, min(known // bs, len(req.blocks))
         if last <= first:
             return

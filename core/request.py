@@ -109,6 +109,13 @@ class Request:
         return self._outputs
 
     @property
+    def num_outputs(self) -> int:
+        """Output ids known (applied), without building their list."""
+        if self._outputs is None:
+            return int(self._batch.out_len[self.slot])
+        return len(self._outputs)
+
+    @property
     def num_pending(self) -> int:
         """Tokens that steps in flight will sample for this request."""
         if self._outputs is None:
@@ -125,8 +132,12 @@ class Request:
         p = len(self.prompt_ids)
         if end <= p:
             return self.prompt_ids[start:end]
-        outputs = self.output_ids
-        return (self.prompt_ids[start:] if start < p else []) + outputs[max(0, start - p) : end - p]
+        head = self.prompt_ids[start:] if start < p else []
+        begin, stop = max(0, start - p), end - p
+        if self._outputs is None:  # on a slot: only the slice, not the whole output row
+            stop = min(stop, int(self._batch.out_len[self.slot]))
+            return head + self._batch.out[self.slot, begin:stop].tolist()
+        return head + self._outputs[begin:stop]
 
     def add_prompt_logprobs(self, piece: PromptLogprobs) -> None:
         """Join one chunk's scores past what is held: a recompute after preemption scores the

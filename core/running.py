@@ -33,6 +33,9 @@ class RunningBatch:
         self.prefill_end = np.zeros(s, np.int64)  # positions from here on were sampled here
         self.num_blocks = np.zeros(s, np.int64)
         self.num_sent = np.zeros(s, np.int64)  # blocks the runner already knows
+        # leading blocks given back, out of a sliding window (core/window.py); the runner's
+        # table keeps them, so num_blocks and num_sent still count them
+        self.num_freed = np.zeros(s, np.int64)
         self.out = np.zeros((s, max_model_len), np.int64)  # [slot, output index] ids
         self.max_model_len = max_model_len
         self.num_released = 0  # releases so far: none since a step was planned, all rows live
@@ -93,6 +96,7 @@ class RunningBatch:
         self.prefill_end[slot] = req.num_prompt + n
         self.num_blocks[slot] = 0
         self.num_sent[slot] = 0
+        self.num_freed[slot] = 0
 
     def append(self, slots: np.ndarray, tokens: np.ndarray) -> np.ndarray:
         """One sampled id for each slot's request: [R] slots, [R] ids. Returns [R] each one's

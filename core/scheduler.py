@@ -29,6 +29,7 @@ from gapless.core.prefix import PrefixCache
 from gapless.core.request import Request, Status
 from gapless.core.running import RunningBatch
 from gapless.core.step import ScheduledStep, StepOutput
+from gapless.core.window import WindowRelease
 
 __all__ = ["ScheduledStep", "Scheduler", "StepOutput"]
 
@@ -46,6 +47,8 @@ class Scheduler:
         policy: Policy | None = None,
         prefix_caching: bool = True,
         model_salt: str = "",
+        # ModelInfo.kv_window: running requests give back the blocks behind it (core/window.py)
+        window: int = 0,
     ) -> None:
         self.blocks = BlockManager(num_blocks, block_size, caching=prefix_caching)
         self.slots = SlotManager(max_num_seqs)
@@ -64,8 +67,9 @@ class Scheduler:
         self._scoring: set[Request] = set()  # requests holding prompt logprobs not yet sent
         p = self.policy
         self.admission = Admission(self.rb, self.blocks, self.slots, p, self.prefix, max_num_seqs)
+        slide = WindowRelease(window, self.blocks, self.rb, self.prefix) if window else None
         self.planner = Planner(
-            self.rb, self.blocks, self.slots, p, max_num_batched_tokens, self.preempt
+            self.rb, self.blocks, self.slots, p, max_num_batched_tokens, self.preempt, slide
         )
         eos = np.asarray(eos_token_ids, np.int64)
         self.applier = Applier(self.rb, p, eos, self._scoring, self._sample_off_slot)
@@ -157,10 +161,13 @@ class Scheduler:
 
     def _leave_slot(self, req: Request) -> None:
         slot = req.slot
-        computed = int(self.rb.computed[slot])
+        computed, freed = int(self.rb.computed[slot]), int(self.rb.num_freed[slot])
         self.rb.release(slot)  # first: its output ids are a list on it from here
-        self.prefix.leave(req, computed)
-        self.blocks.free(req.blocks, req.num_named)
+        self.prefix.leave(req, computed, freed)
+        if freed:  # its first blocks went back already (out of a window)
+            self.blocks.free(req.blocks[freed:], max(req.num_named - freed, 0))
+        else:
+            self.blocks.free(req.blocks, req.num_named)
         req.blocks = []
         self.slots.free(slot)
 
