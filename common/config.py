@@ -78,7 +78,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     Every field is a `gapless serve` flag unless marked NOT_A_FLAG; launch/cli.py generates
     them: `--field-name`, or `--no-field-name` for a bool that defaults to True, the description
-    is the help. Meta(extra=...) keys: flag (the flag's name without `--`), off (the help of a
+    is the help. Meta(extra=...) keys: flag (the flag's name without `--`), aliases (other
+    names of the flag, without `--`), off (the help of a
     `--no-` flag: what turning the default off does), metavar, parse,
     choices and default (hooks cli.py resolves by name, so this shared module imports no role),
     env (the default comes from this environment variable).
@@ -218,6 +219,29 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         ),
     ] = None
     # runner
+    tensor_parallel_size: Annotated[
+        int,
+        msgspec.Meta(
+            description="runner processes the model is split over, one torch.distributed "
+            "rank each (gloo on cpu; NCCL on cuda, rank r on GPU r): attention heads, MLP rows "
+            "and the vocabulary split among them, each holding its share of the weights and "
+            "of the KV cache",
+            ge=1,
+            extra={"aliases": ("tp",), "metavar": "N"},
+        ),
+    ] = 1
+    dist_timeout_s: Annotated[
+        float,
+        msgspec.Meta(
+            description="seconds a tensor-parallel rank waits for the others to join, and for "
+            "any collective, before it fails",
+            gt=0,
+            extra={"flag": "dist-timeout", "metavar": "S"},
+        ),
+    ] = 120.0
+    # the TCP store of the tensor-parallel group; `gapless serve` picks a free port
+    master_addr: Annotated[str, NOT_A_FLAG] = "127.0.0.1"
+    master_port: Annotated[int, NOT_A_FLAG] = 0
     threads: Annotated[
         int,
         msgspec.Meta(

@@ -22,6 +22,7 @@ from gapless.shm import names as shm
 CORE_IN = "core_in"  # frontends and detokenizer -> core
 RUNNER_IN = "runner_in"  # core -> gpu_runner
 RUNNER_OUT = "runner_out"  # gpu_runner -> core
+RUNNER_PLANS = "runner_plans"  # core -> every rank of a tensor-parallel runner (published)
 DETOK_IN = "detok_in"  # core -> detokenizer
 CONTROL = "control"  # every process -> supervisor
 

@@ -8,6 +8,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -145,7 +146,9 @@ class Supervisor:
         _wait_all(fronts, timeout)
 
     def stop_engine(self, timeout: float = 5.0) -> None:
-        for addr in (CORE_IN, RUNNER_IN, DETOK_IN):
+        # tensor-parallel ranks read only the core's publisher: the core tells them
+        runner = (RUNNER_IN,) if self.config.tensor_parallel_size == 1 else ()
+        for addr in (CORE_IN, *runner, DETOK_IN):
             s: Sender = Sender(self.ctx, self.config.ipc(addr))
             s.send(Shutdown())
             s.socket.close(linger=200)
@@ -174,10 +177,27 @@ def _wait_all(procs: list[subprocess.Popen], timeout: float) -> None:
             p.kill()
 
 
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def spawn_runners(sup: Supervisor) -> None:
+    """The runner, or one process per tensor-parallel rank (gpu_runner, gpu_runner1, ...):
+    each watched like every process, any one's death the engine's."""
+    sup.spawn("gpu_runner")
+    for rank in range(1, sup.config.tensor_parallel_size):
+        sup.spawn("gpu_runner", str(rank))
+
+
 def serve(config: EngineConfig) -> int:
     """Runs the whole engine until SIGTERM/SIGINT (exit 0) or a process dies (exit 1)."""
     setup_logging(config.log_level, config.log_format, "supervisor")
     config = msgspec.structs.replace(config, run_dir=make_run_dir())
+    if config.tensor_parallel_size > 1 and not config.master_port:
+        port = free_port(config.master_addr)  # the group's TCP store, served by rank 0
+        config = msgspec.structs.replace(config, master_port=port)
     sup = Supervisor(config)
 
     def on_signal(signum, _frame) -> None:
@@ -191,7 +211,8 @@ def serve(config: EngineConfig) -> int:
     try:
         _log(f"loading {config.model.path} on {config.device} ...")
         t0 = time.monotonic()
-        for role in ENGINE_ROLES:
+        spawn_runners(sup)
+        for role in ENGINE_ROLES[1:]:
             sup.spawn(role)
         ready = sup.wait_ready(list(ENGINE_ROLES))
         # block 0 is reserved for padding; report what requests can hold, as /metrics does

@@ -1,0 +1,311 @@
+"""Tensor parallelism on the cpu device (gloo): the split's arithmetic, TP=2 runner ranks driven
+by the real EngineCore against one runner in process (the same greedy tokens, with prefix
+caching, preemption and overlap on), and a TP=2 `gapless serve`: the openai client, then a
+rank killed under load."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import msgspec
+import pytest
+import torch
+import zmq
+
+from gapless.common.channel import Publisher, Receiver
+from gapless.common.config import CONFIG_ENV, EngineConfig, encode_config
+from gapless.common.families.base import ModelArch
+from gapless.common.messages import (
+    ControlMessage,
+    Fatal,
+    RunnerOutput,
+    RunnerReady,
+    SamplingParams,
+    StepPlan,
+    StepResult,
+    TokenBatch,
+)
+from gapless.common.process import CONTROL, RUNNER_OUT, RUNNER_PLANS
+from gapless.common.shards import kv_head_range, q_head_range, split_problem, vocab_range
+from tests.engine_harness import Harness, make_config
+from tests.family_models import build
+from tests.server import ROOT, Server, free_port
+
+transformers = pytest.importorskip("transformers")
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=0)
+BLOCK = 4
+
+
+# ------------------------------------------------------------------ the split's arithmetic
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,size",
+    [(4, 2, 2), (9, 3, 2), (8, 1, 2), (8, 2, 4), (12, 4, 8), (32, 8, 8), (6, 3, 3)],
+)
+def test_every_head_has_one_owner_and_queries_meet_their_kv_head(heads, kv_heads, size):
+    owners = []
+    for rank in range(size):
+        q0, q1 = q_head_range(heads, kv_heads, size, rank)
+        k0, k1 = kv_head_range(kv_heads, size, rank)
+        assert q1 > q0 and k1 > k0
+        group = heads // kv_heads
+        # the K/V head of each of the rank's query heads is one of the rank's
+        assert all(k0 <= q // group < k1 for q in range(q0, q1))
+        owners += range(q0, q1)
+    assert sorted(owners) == list(range(heads))
+
+
+def test_the_vocabulary_splits_into_padded_chunks_that_cover_it():
+    ranges = [vocab_range(49155, 4, r) for r in range(4)]
+    assert ranges[0] == (0, 12289) and ranges[-1] == (36867, 49155)
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False))
+
+
+def test_a_split_the_model_cannot_take_is_named():
+    arch = ModelArch(architecture="llama", vocab_size=100, hidden_size=64, intermediate_size=96,
+                     num_layers=1, num_heads=6, num_kv_heads=3, head_dim=16, rope_theta=1e4,
+                     rms_norm_eps=1e-5, max_position=64, tie_word_embeddings=True,
+                     attention_bias=False)  # fmt: skip
+    assert split_problem(arch, 1) is None and split_problem(arch, 2) is None
+    assert split_problem(arch, 3) is None and split_problem(arch, 6) is None
+    assert "3 K/V heads" in split_problem(arch, 4)
+    assert "attention heads" in split_problem(arch, 12)
+
+
+# ------------------------------------------------------------------ ranks under the real core
+
+
+class Ranks:
+    """N runner ranks as processes (`gapless.launch.worker gpu_runner RANK`), fed through the
+    core's publisher: a Backend for the harness (launch publishes a plan, collect reads rank
+    0's result)."""
+
+    def __init__(self, config: EngineConfig, run_dir: Path, size: int) -> None:
+        self.config = msgspec.structs.replace(
+            config, run_dir=str(run_dir), tensor_parallel_size=size, master_port=free_port()
+        )
+        self.ctx = zmq.Context()
+        self.control: Receiver[ControlMessage] = Receiver(
+            self.ctx, self.config.ipc(CONTROL), ControlMessage
+        )
+        self.results: Receiver[RunnerOutput] = Receiver(
+            self.ctx, self.config.ipc(RUNNER_OUT), RunnerOutput
+        )
+        self.plans: Publisher = Publisher(self.ctx, self.config.ipc(RUNNER_PLANS))
+        env = dict(os.environ, **{CONFIG_ENV: encode_config(self.config)})
+        self.procs = [
+            subprocess.Popen([sys.executable, "-m", "gapless.launch.worker", "gpu_runner",
+                              str(rank)], env=env, cwd=ROOT, stdin=subprocess.DEVNULL)
+            for rank in range(size)
+        ]  # fmt: skip
+        ready = self._recv(180)
+        assert isinstance(ready, RunnerReady), ready
+        self.num_blocks = ready.num_kv_blocks
+        assert self.plans.wait_subscribers(size, 30_000)
+
+    def _recv(self, timeout_s: float) -> RunnerOutput:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            msg = self.results.recv(timeout_ms=100)
+            if msg is not None:
+                return msg
+            fatal = self.control.drain()
+            assert not [m for m in fatal if isinstance(m, Fatal)], fatal
+            assert all(p.poll() is None for p in self.procs), "a rank exited"
+        raise AssertionError("no result from rank 0")
+
+    def launch(self, plan: StepPlan) -> int:
+        self.plans.send(plan)
+        return plan.seq
+
+    def collect(self, seq: int) -> StepResult:
+        result = self._recv(60)
+        assert isinstance(result, StepResult) and result.seq == seq, result
+        return result
+
+    def close(self) -> None:
+        from gapless.common.messages import Shutdown
+
+        self.plans.send(Shutdown())
+        for p in self.procs:
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        for socket in (self.control, self.results):
+            socket.close()
+        self.plans.close()
+        self.ctx.term()
+
+
+def _prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(3)
+    return [torch.randint(3, 40000, (n,), generator=gen).tolist() for n in (9, 30, 21)]
+
+
+def _arrivals(prompts) -> dict:
+    """Staggered arrivals, then the longest prompt again once it is cached: a prefix hit."""
+    arrivals: dict = {i: [(f"r{i}", p, GREEDY)] for i, p in enumerate(prompts)}
+    arrivals[40] = [("again", prompts[1], GREEDY)]
+    return arrivals
+
+
+def _kv_bytes(model_dir, blocks: int) -> int:
+    from gapless.common.model_files import load_arch, resolve_model
+
+    arch = load_arch(resolve_model(str(model_dir)))
+    return blocks * 2 * arch.num_layers * BLOCK * arch.num_kv_heads * arch.head_dim * 4
+
+
+class Recorder(Harness):
+    """The harness, keeping each request's cached prompt tokens and its tokens' logprobs."""
+
+    def __init__(self, config, backend=None) -> None:
+        super().__init__(config, backend)
+        self.cached: dict[str, int] = {}
+        self.logprobs: dict[str, list[float]] = {}
+
+    def _detokenize(self, msg) -> None:
+        if isinstance(msg, TokenBatch):
+            pos = 0
+            for rid, n in zip(msg.request_ids, msg.counts, strict=True):
+                got = msg.logprobs[pos : pos + n] if msg.logprobs else []
+                self.logprobs.setdefault(rid, []).extend(lp.logprob for lp in got)
+                pos += n
+            if msg.num_cached_tokens:
+                self.cached.update(zip(msg.request_ids, msg.num_cached_tokens, strict=True))
+        super()._detokenize(msg)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2-kv1"])
+def model_dir(request, tmp_path_factory, tiny_model_dir) -> Path:
+    """Tiny random models of tests/family_models.py (untied embeddings: with tied random ones
+    every token predicts itself): a Llama of 4 heads over 2 K/V heads, and a Qwen2 with
+    attention biases and one K/V head, which both ranks replicate."""
+    family, _, kv = request.param.partition("-")
+    out = tmp_path_factory.mktemp(request.param)
+    build(family, out, tiny_model_dir, **({"num_key_value_heads": 1} if kv else {}))
+    return out
+
+
+@pytest.mark.slow
+def test_two_ranks_give_one_runners_greedy_tokens(model_dir, tmp_path):
+    # 20 blocks of 4 tokens for requests of 33, 54, 45 and 54 tokens: preemption; overlap on;
+    # the repeated prompt finds its blocks in the cache
+    config = make_config(model_dir, block_size=BLOCK, max_num_batched_tokens=16,
+                         kv_cache_memory=_kv_bytes(model_dir, 20))  # fmt: skip
+    prompts = _prompts()
+    one = Recorder(config)
+    want = one.run(_arrivals(prompts))
+    assert one.scheduler.num_preemptions > 0, "the small cache was meant to force preemption"
+    # each rank holds half the K/V heads in half the memory: as many blocks; a replicated
+    # K/V head takes each rank the memory of all of them
+    kv_heads = json.loads((model_dir / "config.json").read_text())["num_key_value_heads"]
+    memory = config.kv_cache_memory * (2 if kv_heads == 1 else 1)
+    ranks = Ranks(msgspec.structs.replace(config, kv_cache_memory=memory), tmp_path, 2)
+    try:
+        assert ranks.num_blocks == one.backend.num_blocks
+        two = Recorder(config, ranks)
+        got = two.run(_arrivals(prompts))
+    finally:
+        ranks.close()
+    assert got == want
+    assert all(len(t) == GREEDY.max_tokens for t in got.values())
+    for rid in want:  # the same numbers, up to the order of the all-reduce's sums
+        lp = torch.tensor(two.logprobs[rid])
+        torch.testing.assert_close(lp, torch.tensor(one.logprobs[rid]), atol=1e-4, rtol=0)
+    assert two.cached.get("again", 0) > 0, "the repeated prompt found its prefix in the cache"
+    assert two.scheduler.num_preemptions > 0
+    assert [p.returncode for p in ranks.procs] == [0, 0], "both ranks stopped on Shutdown"
+
+
+# ------------------------------------------------------------------ a TP=2 server
+
+LONG = {"model": "tiny", "prompt": "count with me", "max_tokens": 1500, "ignore_eos": True,
+        "temperature": 0, "stream": True}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tp_server(tiny_model_dir) -> Iterator[Server]:
+    """`gapless serve --tp 2` on the tiny Llama; the last test of this file kills a rank."""
+    s = Server("--model", str(tiny_model_dir), "--dtype", "float32", "--served-model-name",
+               "tiny", "--max-model-len", "2048", "--tp", "2")  # fmt: skip
+    yield s
+    s.stop()
+
+
+@pytest.mark.slow
+def test_a_tp2_server_answers_the_openai_client(tp_server):
+    import openai
+
+    names = tp_server.child_pids()
+    assert "gapless-runner" in names and "gapless-runner1" in names, names
+    client = openai.OpenAI(base_url=tp_server.url + "/v1", api_key="x", max_retries=0,
+                           timeout=60)  # fmt: skip
+    r = client.completions.create(model="tiny", prompt="one two three", max_tokens=6,
+                                  temperature=0, logprobs=1)  # fmt: skip
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 6
+    assert len(r.choices[0].logprobs.tokens) == 6
+    again = client.completions.create(model="tiny", prompt="one two three", max_tokens=6,
+                                      temperature=0)  # fmt: skip
+    assert again.choices[0].text == r.choices[0].text, "greedy repeats itself"
+    chunks = list(client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=5,
+        temperature=0, stream=True, stream_options={"include_usage": True},
+    ))  # fmt: skip
+    assert chunks[-1].usage.completion_tokens == 5
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+@pytest.mark.slow
+def test_a_killed_rank_ends_every_stream_and_the_engine(tp_server):
+    s = tp_server
+    run_dir = s.run_dir()
+    children = s.child_pids()
+    streams: list[list[str]] = [[] for _ in range(3)]
+    ended: list[float] = []
+
+    def stream(events: list[str]) -> None:
+        try:
+            with httpx.stream("POST", s.url + "/v1/completions", json=LONG, timeout=30) as r:
+                for line in r.iter_lines():
+                    events.append(line)
+        except httpx.HTTPError as e:
+            events.append(f"transport error: {e}")
+        ended.append(time.monotonic())
+
+    threads = [threading.Thread(target=stream, args=(events,)) for events in streams]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while not all(len(events) >= 3 for events in streams):
+        assert time.monotonic() < deadline, "the streams did not start"
+        time.sleep(0.01)
+    os.kill(children["gapless-runner1"], signal.SIGKILL)
+    killed_at = time.monotonic()
+    for t in threads:
+        t.join(10)
+    assert len(ended) == 3 and max(ended) - killed_at < 5, (ended, killed_at)
+    for events in streams:
+        assert any('"error"' in e for e in events), events[-3:]
+        assert [e for e in events if e][-1] == "data: [DONE]", events[-3:]
+    assert httpx.get(s.url + "/health", timeout=2).status_code == 503
+    assert s.proc.wait(30) == 1, "serve exits 1 when a rank dies"
+    for name, pid in children.items():
+        assert (
+            not Path(f"/proc/{pid}").exists()
+            or Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+        ), f"{name} still running"
+    assert not os.path.exists(run_dir)
