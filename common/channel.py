@@ -139,12 +139,13 @@ class Publisher(Generic[T]):
     """XPUB side, bound: every message goes to every subscriber. A subscriber that has not
     joined yet misses it, so the first message waits for wait_subscribers."""
 
-    def __init__(self, ctx: zmq.Context, address: str) -> None:
+    def __init__(self, ctx: zmq.Context, *addresses: str) -> None:
         self.socket = ctx.socket(zmq.XPUB)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.SNDHWM, 0)
         self.socket.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscriber's join, not the first
-        self.socket.bind(address)
+        for address in addresses:
+            self.socket.bind(address)
         self.num_subscribers = 0
 
     def wait_subscribers(self, n: int, timeout_ms: int) -> bool:

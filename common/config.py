@@ -239,9 +239,44 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             extra={"flag": "dist-timeout", "metavar": "S"},
         ),
     ] = 120.0
-    # the TCP store of the tensor-parallel group; `gapless serve` picks a free port
-    master_addr: Annotated[str, NOT_A_FLAG] = "127.0.0.1"
-    master_port: Annotated[int, NOT_A_FLAG] = 0
+    nnodes: Annotated[
+        int,
+        msgspec.Meta(
+            description="hosts the tensor-parallel ranks are spread over, "
+            "--tensor-parallel-size / N ranks each; host 0 runs the server and rank 0, the "
+            "others `gapless serve --headless`",
+            ge=1,
+            extra={"metavar": "N"},
+        ),
+    ] = 1
+    node_rank: Annotated[
+        int, msgspec.Meta(description="this host's number among --nnodes, 0 first", ge=0)
+    ] = 0
+    master_addr: Annotated[
+        str,
+        msgspec.Meta(
+            description="address of host 0, where the ranks meet (torch.distributed's TCP "
+            "store) and read the plans",
+            extra={"metavar": "ADDR"},
+        ),
+    ] = "127.0.0.1"
+    master_port: Annotated[
+        int,
+        msgspec.Meta(
+            description="port of the ranks' TCP store on host 0; the plans go out on the next "
+            "port (0: a free port, one host only)",
+            ge=0,
+            le=65534,
+            extra={"metavar": "PORT"},
+        ),
+    ] = 0
+    headless: Annotated[
+        bool,
+        msgspec.Meta(
+            description="run only this host's tensor-parallel ranks (--node-rank above 0), "
+            "no server: they join host 0's at --master-addr"
+        ),
+    ] = False
     threads: Annotated[
         int,
         msgspec.Meta(

@@ -34,6 +34,20 @@ def frontend_socket(frontend_id: int) -> str:
     return f"frontend_{frontend_id}"
 
 
+def plan_endpoints(config: EngineConfig) -> list[str]:
+    """Where the core publishes plans to tensor-parallel ranks: its run directory, and for
+    ranks on other hosts the port after --master-port on --master-addr."""
+    endpoints = [config.ipc(RUNNER_PLANS)]
+    if config.nnodes > 1:
+        endpoints.append(f"tcp://{config.master_addr}:{config.master_port + 1}")
+    return endpoints
+
+
+def plan_endpoint(config: EngineConfig) -> str:
+    """Where this host's ranks read the plans (plan_endpoints)."""
+    return plan_endpoints(config)[0 if config.node_rank == 0 else 1]
+
+
 _stop = threading.Event()
 _parent_pid: int | None = None  # the supervisor, as child_setup found it
 

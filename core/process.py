@@ -28,9 +28,9 @@ from gapless.common.process import (
     DETOK_IN,
     RUNNER_IN,
     RUNNER_OUT,
-    RUNNER_PLANS,
     ControlReporter,
     frontend_socket,
+    plan_endpoints,
     stop_requested,
 )
 from gapless.core.engine import EngineCore, EngineOutputs
@@ -146,7 +146,7 @@ def plan_sender(
 ) -> Sender[RunnerInput] | Publisher[RunnerInput]:
     """Where plans go: the runner's socket, or one publisher every tensor-parallel rank reads."""
     if config.tensor_parallel_size > 1:
-        return Publisher(ctx, config.ipc(RUNNER_PLANS))
+        return Publisher(ctx, *plan_endpoints(config))
     return Sender(ctx, config.ipc(RUNNER_IN), shm=True)
 
 

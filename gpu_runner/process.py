@@ -20,8 +20,8 @@ from gapless.common.messages import (
 from gapless.common.process import (
     RUNNER_IN,
     RUNNER_OUT,
-    RUNNER_PLANS,
     ControlReporter,
+    plan_endpoint,
     stop_requested,
 )
 from gapless.gpu_runner.cpu.threads import set_wait_policy
@@ -58,7 +58,7 @@ def run_gpu_runner(config: EngineConfig, rank: int = 0) -> None:
     control = ControlReporter(ctx, config, "gpu_runner" if rank == 0 else f"gpu_runner{rank}")
     plans: Receiver[RunnerInput]
     if config.tensor_parallel_size > 1:
-        plans = Subscriber(ctx, config.ipc(RUNNER_PLANS), RunnerInput)
+        plans = Subscriber(ctx, plan_endpoint(config), RunnerInput)
     else:
         plans = Receiver(ctx, config.ipc(RUNNER_IN), RunnerInput)
     results: Sender[RunnerOutput] | _NoResults = _NoResults()

@@ -1,5 +1,5 @@
 """One runner rank of a tensor-parallel group: torch.distributed over a TCP store (gloo on cpu,
-NCCL on cuda, each rank on its own GPU) and the three collectives the decoder needs.
+NCCL on cuda, each rank on a GPU of its host) and the three collectives the decoder needs.
 
 Every rank runs every step on the same inputs; after an all-reduce or an all-gather every rank
 holds the same bits, so the replicated parts of the model (norms, RoPE, the sampler) compute the
@@ -63,10 +63,11 @@ def init_tensor_parallel(config: EngineConfig, rank: int) -> TensorParallel | No
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     backend = "nccl" if config.device == "cuda" else "gloo"
     if config.device == "cuda":
-        if torch.cuda.device_count() < size:
-            raise RuntimeError(f"--tensor-parallel-size {size} needs {size} GPUs, "
+        per_host = size // config.nnodes
+        if torch.cuda.device_count() < per_host:
+            raise RuntimeError(f"--tensor-parallel-size {size} needs {per_host} GPUs a host, "
                                f"{torch.cuda.device_count()} visible")  # fmt: skip
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(rank % per_host)
     dist.init_process_group(
         backend,
         init_method=f"tcp://{config.master_addr}:{config.master_port}",

@@ -190,7 +190,15 @@ def check_tensor_parallel(config: EngineConfig) -> None:
     from gapless.common.model_files import load_arch
     from gapless.common.shards import split_problem
 
-    size = config.tensor_parallel_size
+    size, hosts = config.tensor_parallel_size, config.nnodes
+    if size % hosts:
+        raise ValueError(f"--nnodes {hosts} must divide --tensor-parallel-size {size}")
+    if config.node_rank >= hosts:
+        raise ValueError(f"--node-rank {config.node_rank} must be below --nnodes {hosts}")
+    if hosts > 1 and not config.master_port:
+        raise ValueError("--nnodes above 1 needs --master-port (host 0's, the same on every host)")
+    if config.headless != (config.node_rank > 0):
+        raise ValueError("--headless runs the ranks of a --node-rank above 0, and only there")
     if size == 1:
         return
     if config.device == "sim":

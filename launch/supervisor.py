@@ -184,11 +184,40 @@ def free_port(host: str) -> int:
 
 
 def spawn_runners(sup: Supervisor) -> None:
-    """The runner, or one process per tensor-parallel rank (gpu_runner, gpu_runner1, ...):
-    each watched like every process, any one's death the engine's."""
-    sup.spawn("gpu_runner")
-    for rank in range(1, sup.config.tensor_parallel_size):
-        sup.spawn("gpu_runner", str(rank))
+    """The runner, or one process per tensor-parallel rank of this host (gpu_runner for rank
+    0, gpu_runner1, ...): each watched like every process, any one's death the engine's."""
+    c = sup.config
+    per_host = c.tensor_parallel_size // c.nnodes
+    for rank in range(c.node_rank * per_host, (c.node_rank + 1) * per_host):
+        sup.spawn("gpu_runner", *([str(rank)] if rank else []))
+
+
+def serve_headless(sup: Supervisor) -> int:
+    """This host's ranks only (--headless): they join host 0's group and read its plans.
+    Exit 0 when they all stop on host 0's Shutdown or on SIGTERM here, 1 when one fails."""
+    c = sup.config
+    _log(f"ranks of host {c.node_rank} of {c.nnodes} joining {c.master_addr}:{c.master_port}")
+    spawn_runners(sup)
+    try:
+        while not sup.stopping:
+            codes = [p.poll() for p in sup.procs.values()]
+            if all(code == 0 for code in codes):
+                _log("stopped: host 0 shut the engine down")
+                return 0
+            for name, proc in sup.procs.items():
+                if proc.poll() not in (None, 0):
+                    raise EngineFailed(f"process {name} (pid {proc.pid}) exited with code "
+                                       f"{proc.returncode}")  # fmt: skip
+            match sup.control.recv(timeout_ms=100):
+                case Fatal(role=role, message=message):
+                    raise EngineFailed(f"{role} failed: {message}")
+    except EngineFailed as e:
+        log.error(f"engine failed: {e}")
+        return 1
+    finally:
+        sup.close()
+    _log("stopped")
+    return 0
 
 
 def serve(config: EngineConfig) -> int:
@@ -208,6 +237,8 @@ def serve(config: EngineConfig) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    if config.headless:
+        return serve_headless(sup)
     try:
         _log(f"loading {config.model.path} on {config.device} ...")
         t0 = time.monotonic()

@@ -34,6 +34,7 @@ from gapless.common.messages import (
     StepResult,
     TokenBatch,
 )
+from gapless.common.model_files import load_tokenizer
 from gapless.common.process import CONTROL, RUNNER_OUT, RUNNER_PLANS
 from gapless.common.shards import kv_head_range, q_head_range, split_problem, vocab_range
 from tests.engine_harness import Harness, make_config
@@ -309,3 +310,46 @@ def test_a_killed_rank_ends_every_stream_and_the_engine(tp_server):
             or Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
         ), f"{name} still running"
     assert not os.path.exists(run_dir)
+
+
+# ------------------------------------------------------------------ two hosts on loopback
+
+
+@pytest.mark.slow
+def test_two_hosts_on_loopback_serve_one_runners_tokens(tmp_path, tiny_model_dir):
+    """Host 0 (`--nnodes 2 --node-rank 0`: the server and rank 0) and host 1 (`--headless
+    --node-rank 1`: rank 1 alone, reading the plans over TCP) give one runner's greedy tokens."""
+    model = tmp_path / "llama"
+    model.mkdir()
+    build("llama", model, tiny_model_dir)
+    prompt = _prompts()[1]
+    one = Recorder(make_config(model))
+    want = one.run({0: [("r", prompt, GREEDY)]})["r"]
+    port = free_port()
+    hosts = ["--tp", "2", "--nnodes", "2", "--master-port", str(port), "--model", str(model),
+             "--dtype", "float32", "--served-model-name", "tiny"]  # fmt: skip
+    headless = subprocess.Popen(
+        [sys.executable, "-m", "gapless.launch.cli", "serve", "--headless", "--node-rank", "1",
+         "--threads", "1", "--no-compile", *hosts],
+        cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True,
+    )  # fmt: skip
+    try:
+        server = Server(*hosts, "--node-rank", "0")
+        try:
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": GREEDY.max_tokens,
+                    "temperature": 0, "ignore_eos": True, "logprobs": 0}  # fmt: skip
+            r = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
+            lp = r["choices"][0]["logprobs"]["token_logprobs"]
+            torch.testing.assert_close(torch.tensor(lp), torch.tensor(one.logprobs["r"]),
+                                       atol=1e-4, rtol=0)  # fmt: skip
+            text = load_tokenizer(one.core.config.model).decode(want)
+            assert r["choices"][0]["text"] == text and len(lp) == len(want)
+        finally:
+            assert server.stop() == 0, server.read_log()
+        assert headless.wait(30) == 0, "host 1's ranks stop with host 0's engine"
+    finally:
+        if headless.poll() is None:
+            headless.kill()
+        out = headless.communicate()[0]
+    assert "Traceback" not in out, out

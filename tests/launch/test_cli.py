@@ -52,6 +52,11 @@ FLAGS = {
     "--threads": str(default_threads()),
     "--tensor-parallel-size N, --tp N": "1",
     "--dist-timeout S": "120.0",
+    "--nnodes N": "1",
+    "--node-rank": "0",
+    "--master-addr ADDR": "127.0.0.1",
+    "--master-port PORT": "0",
+    "--headless": "off",
     "--cpu-wait {short,passive,spin}": "short",
     "--seed": "0",
     "--sim-profile": "h100-llama3-8b",
@@ -391,6 +396,8 @@ def test_a_config_too_large_for_the_environment_is_refused(tmp_path):
 
 
 def test_tp_is_the_tensor_parallel_size_and_a_split_it_cannot_make_is_refused(monkeypatch):
+    """--tp and its split over hosts; what cannot be split or joined is named before any
+    process starts."""
     from gapless.common.families.base import ModelArch
 
     arch = ModelArch(architecture="llama", vocab_size=10, hidden_size=64, intermediate_size=96,
@@ -404,6 +411,10 @@ def test_tp_is_the_tensor_parallel_size_and_a_split_it_cannot_make_is_refused(mo
         ("--tp", "4"): "--tensor-parallel-size 4: 4 ranks cannot share the model's 3 K/V heads",
         ("--tp", "2", "--device", "sim"): "runs on --device cpu and cuda, not sim",
         ("--tp", "2", "--quantization", "int8"): "--quantization is not available",
+        ("--tp", "3", "--nnodes", "2", "--master-port", "5000"): "--nnodes 2 must divide",
+        ("--tp", "2", "--nnodes", "2"): "needs --master-port",
+        ("--tp", "2", "--nnodes", "2", "--master-port", "5000", "--node-rank", "1"): "--headless",
+        ("--tp", "2", "--headless"): "--headless runs the ranks of a --node-rank above 0",
     }
     for argv, why in refusals.items():
         with pytest.raises(ValueError, match=why):
