@@ -92,6 +92,8 @@ def run_gpu_runner(config: EngineConfig, rank: int = 0) -> None:
                         inflight.append(backend.launch(msg))
                     elif in_line:
                         inflight.append(StepRefused(msg.seq, why))
+            elif not inflight and isinstance(plans, Subscriber) and plans.lost():
+                raise RuntimeError("the core's plans stopped: host 0's engine is gone")
             # 2. publish the oldest step once its ids are on the host
             if inflight and _until_ready(backend, inflight[0]) <= 0:
                 step = inflight.popleft()

@@ -84,6 +84,39 @@ def test_a_split_the_model_cannot_take_is_named():
     assert "attention heads" in split_problem(arch, 12)
 
 
+# ------------------------------------------------------------------ the plans' channel
+
+
+def test_every_subscriber_gets_each_plan_once_and_a_lost_publisher_is_seen():
+    """One publish reaches every rank; a rank on another host (tcp) learns that the core's
+    publisher went away, where an idle rank would otherwise wait for plans forever."""
+    from gapless.common.channel import Subscriber
+    from gapless.common.messages import RunnerInput
+
+    ctx = zmq.Context()
+    address = f"tcp://127.0.0.1:{free_port()}"
+    pub: Publisher = Publisher(ctx, address)
+    subs = [Subscriber(ctx, address, RunnerInput) for _ in range(2)]
+    try:
+        assert pub.wait_subscribers(2, 5_000) and pub.num_subscribers == 2
+        plan = StepPlan(seq=1, new_slots=[], freed_slots=[3], slots=[], num_tokens=[],
+                        start_pos=[], has_tokens=[], token_ids=[], sample=[],
+                        num_new_blocks=[], new_blocks=[])  # fmt: skip
+        pub.send(plan)
+        for sub in subs:
+            assert sub.recv(timeout_ms=5_000) == plan
+            assert sub.recv(timeout_ms=50) is None and not sub.lost()
+        pub.close()
+        deadline = time.monotonic() + 5
+        while not all(sub.lost() for sub in subs):
+            assert time.monotonic() < deadline, "the publisher's end went unnoticed"
+            time.sleep(0.02)
+    finally:
+        for sub in subs:
+            sub.close()
+        ctx.term()
+
+
 # ------------------------------------------------------------------ ranks under the real core
 
 
