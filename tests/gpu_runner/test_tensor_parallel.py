@@ -5,6 +5,7 @@ rank killed under load."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -13,6 +14,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -37,6 +39,7 @@ from gapless.common.messages import (
 from gapless.common.model_files import load_tokenizer
 from gapless.common.process import CONTROL, RUNNER_OUT, RUNNER_PLANS
 from gapless.common.shards import kv_head_range, q_head_range, split_problem, vocab_range
+from gapless.gpu_runner.tensor_parallel import TensorParallel
 from tests.engine_harness import Harness, make_config
 from tests.family_models import build
 from tests.server import ROOT, Server, free_port
@@ -115,6 +118,117 @@ def test_every_subscriber_gets_each_plan_once_and_a_lost_publisher_is_seen():
         for sub in subs:
             sub.close()
         ctx.term()
+
+
+def _random_biases(model_dir: Path) -> None:
+    """Biases drawn at random (transformers makes them zeros, which would hide one counted on
+    every rank instead of once)."""
+    from safetensors.torch import load_file, save_file
+
+    path = model_dir / "model.safetensors"
+    weights = load_file(path)
+    gen = torch.Generator().manual_seed(5)
+    for name, w in weights.items():
+        if name.endswith(".bias"):
+            weights[name] = torch.randn(w.shape, generator=gen) * 0.5
+    save_file(weights, path, metadata={"format": "pt"})
+
+
+# ------------------------------------------------------------------ ranks as threads
+
+
+class ThreadGroup:
+    """Collectives among threads of this process, summing in rank order as one all-reduce
+    does, so every rank gets the same bits: the sharded model without processes."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.barrier = threading.Barrier(size, timeout=60)
+        self.slots: list = [None] * size
+
+    def exchange(self, rank: int, x):
+        self.slots[rank] = x
+        self.barrier.wait()
+        parts = list(self.slots)
+        self.barrier.wait()
+        return parts
+
+
+class ThreadRank(TensorParallel):
+    def __init__(self, rank: int, group: ThreadGroup) -> None:
+        super().__init__(rank, group.size)
+        self.group = group
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        parts = self.group.exchange(self.rank, x.clone())
+        return x.copy_(functools.reduce(torch.add, parts))
+
+    def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat(self.group.exchange(self.rank, x), dim=-1)
+
+    def min(self, value: int, device) -> int:
+        return min(self.group.exchange(self.rank, value))
+
+
+class ThreadRanks:
+    """N CpuBackends of one group, each step launched on all of them at once (their layers
+    meet in the collectives); rank 0's result is the step's."""
+
+    def __init__(self, config: EngineConfig, size: int) -> None:
+        from gapless.gpu_runner.cpu.backend import CpuBackend
+
+        group = ThreadGroup(size)
+        config = msgspec.structs.replace(config, tensor_parallel_size=size)
+        self.pool = ThreadPoolExecutor(size)
+        make = lambda r: CpuBackend(config, tp=ThreadRank(r, group))  # noqa: E731
+        self.ranks = list(self.pool.map(make, range(size)))
+        self.num_blocks = self.ranks[0].num_blocks
+
+    def launch(self, plan: StepPlan) -> list:
+        return list(self.pool.map(lambda rank: rank.launch(plan), self.ranks))
+
+    def collect(self, handles: list) -> StepResult:
+        results = [rank.collect(h) for rank, h in zip(self.ranks, handles, strict=True)]
+        assert all(r.token_ids == results[0].token_ids for r in results), "ranks disagree"
+        return results[0]
+
+
+SHAPES = {  # name -> (family, its overrides, ranks)
+    "llama-o-bias": ("llama", {"attention_bias": True}, 2),
+    "uneven-heads": (
+        "llama",
+        {"hidden_size": 144, "num_attention_heads": 9, "num_key_value_heads": 3},
+        2,
+    ),  # the default model's heads
+    "kv-replicated-4": ("llama", {}, 4),
+    "qwen3-qk-norm": ("qwen3", {}, 2),
+    "phi3-joined-qkv": ("phi3", {}, 2),
+    "gemma2-sandwich": ("gemma2", {}, 2),
+    "qwen2-moe-shared": ("qwen2_moe", {}, 2),
+}
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_sharded_families_give_one_runners_tokens(shape, tmp_path, tiny_model_dir):
+    """Each family's options over ranks (threads): an o_proj bias counted once, 9 heads over 3
+    K/V heads on 2 ranks (3 and 6), 2 K/V heads each on 2 of 4 ranks, q/k norms, Phi-3's checkpoint with q/k/v
+    and gate/up joined, Gemma 2's sandwich norms and soft caps, experts with a shared one."""
+    family, overrides, size = SHAPES[shape]
+    build(family, tmp_path, tiny_model_dir, **overrides)
+    _random_biases(tmp_path)
+    config = make_config(tmp_path)
+    prompts = _prompts()
+    arrivals = {i: [(f"r{i}", p, GREEDY)] for i, p in enumerate(prompts)}
+    one = Recorder(config)
+    want = one.run(arrivals)
+    ranks = ThreadRanks(config, size)
+    two = Recorder(config, ranks)
+    assert two.run(arrivals) == want
+    for rid in want:
+        lp = torch.tensor(two.logprobs[rid])
+        torch.testing.assert_close(lp, torch.tensor(one.logprobs[rid]), atol=1e-4, rtol=0)
+    weights = [sum(p.numel() for p in r.model.parameters()) for r in ranks.ranks]
+    assert max(weights) < sum(p.numel() for p in one.backend.model.parameters())
 
 
 # ------------------------------------------------------------------ ranks under the real core
@@ -231,6 +345,7 @@ def model_dir(request, tmp_path_factory, tiny_model_dir) -> Path:
     family, _, kv = request.param.partition("-")
     out = tmp_path_factory.mktemp(request.param)
     build(family, out, tiny_model_dir, **({"num_key_value_heads": 1} if kv else {}))
+    _random_biases(out)
     return out
 
 
