@@ -253,6 +253,7 @@ def serve(config: EngineConfig) -> int:
             f"{blocks} KV blocks of "
             f"{config.block_size} tokens ({blocks * config.block_size} tokens)"
             + device_note(ready["gpu_runner"].info)
+            + (f", {n} tensor-parallel ranks" if (n := config.tensor_parallel_size) > 1 else "")
         )
         for i in range(config.api_servers):
             sup.spawn("frontend", str(i))

@@ -32,6 +32,7 @@ from gapless.common.messages import (
     RunnerOutput,
     RunnerReady,
     SamplingParams,
+    Shutdown,
     StepPlan,
     StepResult,
     TokenBatch,
@@ -231,6 +232,26 @@ def test_sharded_families_give_one_runners_tokens(shape, tmp_path, tiny_model_di
     assert max(weights) < sum(p.numel() for p in one.backend.model.parameters())
 
 
+@pytest.mark.slow
+def test_the_default_model_split_in_two_gives_its_tokens(default_gguf):
+    """SmolLM2 from its GGUF in float32 (q/k rows un-interleaved, tied embeddings, 9 heads over
+    3 K/V heads: 3 and 6 per rank), unquantized on both sides."""
+    config = make_config(default_gguf, quantization="none", max_num_seqs=4)
+    prompts = [[1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3717, 30, 2, 198]] + [
+        p[:20] for p in _prompts()[:2]
+    ]
+    params = msgspec.structs.replace(GREEDY, max_tokens=12)
+    arrivals = {i: [(f"r{i}", p, params)] for i, p in enumerate(prompts)}
+    one = Recorder(config)
+    want = one.run(arrivals)
+    del one.backend  # why: its weights go before two ranks load theirs
+    two = Recorder(config, ThreadRanks(config, 2))
+    assert two.run(arrivals) == want
+    for rid in want:
+        lp = torch.tensor(two.logprobs[rid])
+        torch.testing.assert_close(lp, torch.tensor(one.logprobs[rid]), atol=1e-3, rtol=0)
+
+
 # ------------------------------------------------------------------ ranks under the real core
 
 
@@ -283,8 +304,6 @@ class Ranks:
         return result
 
     def close(self) -> None:
-        from gapless.common.messages import Shutdown
-
         self.plans.send(Shutdown())
         for p in self.procs:
             try:
