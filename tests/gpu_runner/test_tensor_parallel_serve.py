@@ -142,3 +142,17 @@ def test_two_hosts_on_loopback_serve_one_runners_tokens(tmp_path, tiny_model_dir
             headless.kill()
         out = headless.communicate()[0]
     assert "Traceback" not in out, out
+
+
+def test_a_host_that_never_joins_ends_the_engine(tiny_model_dir):
+    """Host 1 never starts: host 0's ranks give up after --dist-timeout, and serve exits 1
+    naming what it waited for, rather than hanging."""
+    args = ["serve", "--tp", "2", "--nnodes", "2", "--node-rank", "0", "--master-port",
+            str(free_port()), "--dist-timeout", "3", "--model", str(tiny_model_dir), "--dtype",
+            "float32", "--threads", "1", "--no-compile", "--port", str(free_port())]  # fmt: skip
+    started = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "gapless.launch.cli", *args], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "gpu_runner failed" in out.stderr and "Timed out" in out.stderr, out.stderr[-3000:]
+    assert time.monotonic() - started < 60
