@@ -154,5 +154,7 @@ def test_a_host_that_never_joins_ends_the_engine(tiny_model_dir):
     out = subprocess.run([sys.executable, "-m", "gapless.launch.cli", *args], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)  # fmt: skip
     assert out.returncode == 1, out.stdout + out.stderr
-    assert "gpu_runner failed" in out.stderr and "Timed out" in out.stderr, out.stderr[-3000:]
+    assert "engine failed: gpu_runner" in out.stderr and "Timed out" in out.stderr, out.stderr[
+        -3000:
+    ]
     assert time.monotonic() - started < 60
