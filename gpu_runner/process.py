@@ -82,6 +82,10 @@ def run_gpu_runner(config: EngineConfig, rank: int = 0) -> None:
             if plans.wait(wait_s):
                 for msg in plans.drain():
                     if isinstance(msg, Shutdown):
+                        if config.tensor_parallel_size > 1:
+                            from gapless.gpu_runner.tensor_parallel import leave_group
+
+                            leave_group()
                         return
                     # why first: a plan the batch cannot run changes nothing; its refusal
                     # takes the step's place in line, so the core learns of it in order. One

@@ -45,10 +45,6 @@ class TensorParallel:
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
         return int(t.item())
 
-    def close(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
 
 def init_tensor_parallel(config: EngineConfig, rank: int) -> TensorParallel | None:
     """Join the group of config.tensor_parallel_size ranks (None for one rank): rank 0 serves
@@ -77,3 +73,9 @@ def init_tensor_parallel(config: EngineConfig, rank: int) -> TensorParallel | No
     )
     log.info("tensor parallel: rank %d of %d (%s)", rank, size, backend)
     return TensorParallel(rank, size)
+
+
+def leave_group() -> None:
+    """Leave the group on a clean stop (every rank is stopping, none is in a collective)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
