@@ -54,11 +54,12 @@ class CpuBackend:
         """use_graphs (default config.cuda_graph): run decode-only batches padded through the
         graph layer (compiled with --compile); False runs every step eagerly at its own size.
         tp: this rank of a tensor-parallel group; the step is then eager (the compiled layers
-        hold no collectives) and --threads is shared among the ranks."""
+        hold no collectives) and --threads is shared among the ranks of this host."""
         self.config = config
         self.tp = tp
         self.use_graphs = config.cuda_graph if use_graphs is None else use_graphs
-        threads = max(1, config.threads // config.tensor_parallel_size)
+        ranks_here = config.tensor_parallel_size // config.nnodes  # ranks on this host
+        threads = max(1, config.threads // ranks_here)
         torch.set_num_threads(threads)
         self.dtype = DTYPES[resolve_dtype(config.dtype, "cpu")]
         self.full_arch = load_arch(config.model)
