@@ -225,7 +225,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             description="runner processes the model is split over, one torch.distributed "
             "rank each (gloo on cpu; NCCL on cuda, rank r on GPU r): attention heads, MLP rows "
             "and the vocabulary split among them, each holding its share of the weights and "
-            "of the KV cache",
+            "of the KV cache; on sim, the profile's timing at this many GPUs",
             ge=1,
             extra={"aliases": ("tp",), "metavar": "N"},
         ),
@@ -480,6 +480,12 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     admin_keys: Annotated[tuple[str, ...], NOT_A_FLAG] = ()  # those of api_keys marked admin
     # every tenant the keys file or --tenant-weight names; any other weighs 1, priority 0
     tenants: Annotated[dict[str, TenantSpec], NOT_A_FLAG] = {}
+
+    @property
+    def num_ranks(self) -> int:
+        """Runner processes: one per tensor-parallel rank; one on sim, whose profile models
+        the ranks' timing instead."""
+        return 1 if self.device == "sim" else self.tensor_parallel_size
 
     @property
     def tenant_weights(self) -> dict[str, float]:

@@ -145,7 +145,7 @@ def plan_sender(
     ctx: zmq.Context, config: EngineConfig
 ) -> Sender[RunnerInput] | Publisher[RunnerInput]:
     """Where plans go: the runner's socket, or one publisher every tensor-parallel rank reads."""
-    if config.tensor_parallel_size > 1:
+    if config.num_ranks > 1:
         return Publisher(ctx, *plan_endpoints(config))
     return Sender(ctx, config.ipc(RUNNER_IN), shm=True)
 
@@ -165,7 +165,7 @@ def run_core(config: EngineConfig) -> None:
         if ready is None:
             return
         if isinstance(runner, Publisher):  # why: a plan published before a rank joined is lost
-            size = config.tensor_parallel_size
+            size = config.num_ranks
             if not runner.wait_subscribers(size, int(config.dist_timeout_s * 1000)):
                 raise RuntimeError(f"{runner.num_subscribers} of {size} runner ranks joined")
         process = CoreProcess(EngineCore(config, ready.num_kv_blocks), ctx, results, runner)

@@ -57,7 +57,7 @@ def run_gpu_runner(config: EngineConfig, rank: int = 0) -> None:
     ctx = zmq.Context()
     control = ControlReporter(ctx, config, "gpu_runner" if rank == 0 else f"gpu_runner{rank}")
     plans: Receiver[RunnerInput]
-    if config.tensor_parallel_size > 1:
+    if config.num_ranks > 1:
         plans = Subscriber(ctx, plan_endpoint(config), RunnerInput)
     else:
         plans = Receiver(ctx, config.ipc(RUNNER_IN), RunnerInput)
@@ -82,7 +82,7 @@ def run_gpu_runner(config: EngineConfig, rank: int = 0) -> None:
             if plans.wait(wait_s):
                 for msg in plans.drain():
                     if isinstance(msg, Shutdown):
-                        if config.tensor_parallel_size > 1:
+                        if config.num_ranks > 1:
                             from gapless.gpu_runner.tensor_parallel import leave_group
 
                             leave_group()

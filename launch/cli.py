@@ -199,10 +199,10 @@ def check_tensor_parallel(config: EngineConfig) -> None:
         raise ValueError("--nnodes above 1 needs --master-port (host 0's, the same on every host)")
     if config.headless != (config.node_rank > 0):
         raise ValueError("--headless runs the ranks of a --node-rank above 0, and only there")
-    if size == 1:
+    if config.device == "sim" and hosts > 1:
+        raise ValueError("--nnodes runs on --device cpu and cuda (sim has no ranks to spread)")
+    if size == 1 or config.device == "sim":  # sim: the profile's timing at `size` GPUs
         return
-    if config.device == "sim":
-        raise ValueError("--tensor-parallel-size runs on --device cpu and cuda, not sim")
     if config.quantization not in ("auto", "none"):
         raise ValueError("--quantization is not available with --tensor-parallel-size yet")
     problem = split_problem(load_arch(config.model), size)

@@ -147,7 +147,7 @@ class Supervisor:
 
     def stop_engine(self, timeout: float = 5.0) -> None:
         # tensor-parallel ranks read only the core's publisher: the core tells them
-        runner = (RUNNER_IN,) if self.config.tensor_parallel_size == 1 else ()
+        runner = (RUNNER_IN,) if self.config.num_ranks == 1 else ()
         for addr in (CORE_IN, *runner, DETOK_IN):
             s: Sender = Sender(self.ctx, self.config.ipc(addr))
             s.send(Shutdown())
@@ -187,7 +187,7 @@ def spawn_runners(sup: Supervisor) -> None:
     """The runner, or one process per tensor-parallel rank of this host (gpu_runner for rank
     0, gpu_runner1, ...): each watched like every process, any one's death the engine's."""
     c = sup.config
-    per_host = c.tensor_parallel_size // c.nnodes
+    per_host = c.num_ranks // c.nnodes
     for rank in range(c.node_rank * per_host, (c.node_rank + 1) * per_host):
         sup.spawn("gpu_runner", *([str(rank)] if rank else []))
 
@@ -224,7 +224,7 @@ def serve(config: EngineConfig) -> int:
     """Runs the whole engine until SIGTERM/SIGINT (exit 0) or a process dies (exit 1)."""
     setup_logging(config.log_level, config.log_format, "supervisor")
     config = msgspec.structs.replace(config, run_dir=make_run_dir())
-    if config.tensor_parallel_size > 1 and not config.master_port:
+    if config.num_ranks > 1 and not config.master_port:
         port = free_port(config.master_addr)  # the group's TCP store, served by rank 0
         config = msgspec.structs.replace(config, master_port=port)
     sup = Supervisor(config)
@@ -253,7 +253,7 @@ def serve(config: EngineConfig) -> int:
             f"{blocks} KV blocks of "
             f"{config.block_size} tokens ({blocks * config.block_size} tokens)"
             + device_note(ready["gpu_runner"].info)
-            + (f", {n} tensor-parallel ranks" if (n := config.tensor_parallel_size) > 1 else "")
+            + (f", {n} tensor-parallel ranks" if (n := config.num_ranks) > 1 else "")
         )
         for i in range(config.api_servers):
             sup.spawn("frontend", str(i))

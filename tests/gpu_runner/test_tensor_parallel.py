@@ -84,6 +84,22 @@ def test_a_split_the_model_cannot_take_is_named():
     assert "attention heads" in split_problem(arch, 12)
 
 
+def test_sim_models_the_ranks_in_one_process(default_gguf):
+    """--tp N on sim: one runner whose profile splits weights, heads and KV over N GPUs and
+    adds the all-reduces: more KV blocks, a shorter decode of a big batch."""
+    from gapless.gpu_runner.sim.backend import SimBackend
+    from gapless.gpu_runner.sim.profiles import step_time
+    from tests.conftest import sim_config
+
+    sims = {n: SimBackend(sim_config(default_gguf, tensor_parallel_size=n, max_num_seqs=256))
+            for n in (1, 2, 8)}  # fmt: skip
+    assert [sims[n].profile.tp for n in (1, 2, 8)] == [1, 2, 8]
+    assert all(sim.config.num_ranks == 1 for sim in sims.values())
+    assert sims[1].num_blocks < sims[2].num_blocks
+    decode = {n: step_time(s.profile, 256, 256, 256 * 1024) for n, s in sims.items()}
+    assert decode[8] < decode[2] < decode[1]
+
+
 # ------------------------------------------------------------------ the plans' channel
 
 

@@ -407,9 +407,11 @@ def test_tp_is_the_tensor_parallel_size_and_a_split_it_cannot_make_is_refused(mo
     monkeypatch.setattr(model_files, "load_arch", lambda info: arch)
     assert serve_config("--tp", "3").tensor_parallel_size == 3
     assert serve_config("--tensor-parallel-size", "2").tensor_parallel_size == 2
+    sim = serve_config("--tp", "4", "--device", "sim")  # the profile's timing at 4 GPUs
+    assert sim.tensor_parallel_size == 4 and sim.num_ranks == 1
     refusals = {
         ("--tp", "4"): "--tensor-parallel-size 4: 4 ranks cannot share the model's 3 K/V heads",
-        ("--tp", "2", "--device", "sim"): "runs on --device cpu and cuda, not sim",
+        ("--tp", "2", "--nnodes", "2", "--master-port", "5000", "--device", "sim"): "sim has no",
         ("--tp", "2", "--quantization", "int8"): "--quantization is not available",
         ("--tp", "3", "--nnodes", "2", "--master-port", "5000"): "--nnodes 2 must divide",
         ("--tp", "2", "--nnodes", "2"): "needs --master-port",
