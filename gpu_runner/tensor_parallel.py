@@ -20,6 +20,8 @@ from gapless.common.config import EngineConfig
 log = logging.getLogger("gapless.gpu_runner")
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
+# one collective into one tensor (torch 2.13 renamed it)
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class TensorParallel:
@@ -34,10 +36,10 @@ class TensorParallel:
         return x
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
-        """[..., size * n]: every rank's x [..., n] joined along the last dimension, rank order."""
-        parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x.contiguous())
-        return torch.cat(parts, dim=-1)
+        """[B, size * n]: every rank's x [B, n] joined along the last dimension, rank order."""
+        out = x.new_empty((self.size * x.shape[0], x.shape[1]))  # [size * B, n], rank-major
+        _all_gather(out, x.contiguous())
+        return out.view(self.size, *x.shape).movedim(0, 1).reshape(x.shape[0], -1)
 
     def min(self, value: int, device: torch.device) -> int:
         """The least of every rank's value (the KV blocks every rank can hold)."""
