@@ -408,4 +408,5 @@ def test_two_ranks_give_one_runners_greedy_tokens(model_dir, tmp_path):
         torch.testing.assert_close(lp, torch.tensor(one.logprobs[rid]), atol=1e-4, rtol=0)
     assert two.cached.get("again", 0) > 0, "the repeated prompt found its prefix in the cache"
     assert two.scheduler.num_preemptions > 0
+    assert two.max_inflight >= 2, "the ranks had step n+1 before step n's result was read"
     assert [p.returncode for p in ranks.procs] == [0, 0], "both ranks stopped on Shutdown"
