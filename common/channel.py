@@ -5,6 +5,9 @@ A Sender made with `shm=True` puts large encoded messages in a shared-memory rin
 Use it only where this Sender is the one producer of its kind on the socket (core -> runner,
 runner -> core, core -> detokenizer); other senders (the supervisor's Shutdown) may share the
 socket. Every receiver reads both kinds of frame: there is nothing to enable on that side.
+
+A Publisher sends each message once to every Subscriber (the core's plans to the ranks of a
+tensor-parallel group): one encode and one send, ZMQ's I/O thread writes it to every pipe.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ _encoder = msgspec.msgpack.Encoder()
 # (75 vs 79 us), the ring wins from 64 KB (104 vs 91 us; 256 KB: 256 vs 183; 1 MB: 724 vs 558)
 SHM_THRESHOLD = 64 * 1024
 SHM_CAPACITY = 4 * 2**20  # bytes of ring per shm sender; a message that finds it full goes inline
+# a receiver over tcp:// pings its peer this often; a peer silent 3 times as long is lost
+HEARTBEAT_MS = 1000
 
 
 def _ring_for(address: str, capacity: int, threshold: int) -> RingWriter:
@@ -132,15 +137,54 @@ class _Decoding(Generic[T]):
         self._rings.close()
 
 
+class Publisher(Generic[T]):
+    """XPUB side, bound: every message goes to every subscriber. A subscriber that has not
+    joined yet misses it, so the first message waits for wait_subscribers."""
+
+    def __init__(self, ctx: zmq.Context, *addresses: str) -> None:
+        self.socket = ctx.socket(zmq.XPUB)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.setsockopt(zmq.SNDHWM, 0)
+        self.socket.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscriber's join, not the first
+        for address in addresses:
+            self.socket.bind(address)
+        self.num_subscribers = 0
+
+    def wait_subscribers(self, n: int, timeout_ms: int) -> bool:
+        """Whether n subscribers have joined, waiting up to timeout_ms for them."""
+        deadline = time.monotonic() + timeout_ms / 1000
+        while self.num_subscribers < n:
+            left_ms = round((deadline - time.monotonic()) * 1000)
+            if left_ms <= 0 or not self.socket.poll(left_ms):
+                return False
+            frame = self.socket.recv()
+            if frame[:1] == b"\x01":  # a subscription; b"\x00" is one leaving
+                self.num_subscribers += 1
+        return True
+
+    def send(self, msg: T) -> None:
+        self.socket.send(_encoder.encode(msg), copy=False)
+
+    def close(self, linger_ms: int = 0) -> None:
+        self.socket.close(linger=linger_ms)
+
+
 class Receiver(Generic[T]):
     """PULL side; binds by default. Decodes straight into the channel's tagged union."""
+
+    socket_type = zmq.PULL
 
     def __init__(
         self, ctx: zmq.Context, address: str, union: type[T], *, bind: bool = True
     ) -> None:
-        self.socket = ctx.socket(zmq.PULL)
+        self.socket = ctx.socket(self.socket_type)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.RCVHWM, 0)
+        if self.socket_type == zmq.SUB:
+            self.socket.setsockopt(zmq.SUBSCRIBE, b"")
+        if address.startswith("tcp://"):  # ping the peer; a silent one drops the connection
+            self.socket.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS)
+            self.socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * HEARTBEAT_MS)
         (self.socket.bind if bind else self.socket.connect)(address)
         self._decoding = _Decoding(union, address)
         self._fd = self.socket.getsockopt(zmq.FD)
@@ -186,6 +230,31 @@ class Receiver(Generic[T]):
     def close(self) -> None:
         self.socket.close(linger=0)
         self._decoding.close()
+
+
+class Subscriber(Receiver[T]):
+    """SUB side of a Publisher's channel, connected; reads as a Receiver does.
+
+    Over tcp:// (another host's publisher) the connection is heartbeated, and `lost()` says
+    whether it dropped after it was made: a publisher killed, or its host gone silent."""
+
+    socket_type = zmq.SUB
+
+    def __init__(self, ctx: zmq.Context, address: str, union: type[T]) -> None:
+        super().__init__(ctx, address, union, bind=False)
+        self._monitor = None
+        if address.startswith("tcp://"):
+            self._monitor = self.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+
+    def lost(self) -> bool:
+        """Whether the publisher's connection dropped (never, over ipc://); does not block."""
+        return self._monitor is not None and bool(self._monitor.poll(0))
+
+    def close(self) -> None:
+        if self._monitor is not None:
+            self.socket.disable_monitor()
+            self._monitor.close(linger=0)
+        super().close()
 
 
 class AsyncReceiver(Generic[T]):

@@ -81,7 +81,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     Every field is a `gapless serve` flag unless marked NOT_A_FLAG; launch/cli.py generates
     them: `--field-name`, or `--no-field-name` for a bool that defaults to True, the description
-    is the help. Meta(extra=...) keys: flag (the flag's name without `--`), off (the help of a
+    is the help. Meta(extra=...) keys: flag (the flag's name without `--`), aliases (other
+    names of the flag, without `--`), off (the help of a
     `--no-` flag: what turning the default off does), metavar, parse,
     choices and default (hooks cli.py resolves by name, so this shared module imports no role),
     env (the default comes from this environment variable).
@@ -221,6 +222,64 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         ),
     ] = None
     # runner
+    tensor_parallel_size: Annotated[
+        int,
+        msgspec.Meta(
+            description="runner processes the model is split over, one torch.distributed "
+            "rank each (gloo on cpu; NCCL on cuda, rank r on GPU r): attention heads, MLP rows "
+            "and the vocabulary split among them, each holding its share of the weights and "
+            "of the KV cache; on sim, the profile's timing at this many GPUs",
+            ge=1,
+            extra={"aliases": ("tp",), "metavar": "N"},
+        ),
+    ] = 1
+    dist_timeout_s: Annotated[
+        float,
+        msgspec.Meta(
+            description="seconds a tensor-parallel rank waits for the others to join, and for "
+            "any collective, before it fails",
+            gt=0,
+            extra={"flag": "dist-timeout", "metavar": "S"},
+        ),
+    ] = 120.0
+    nnodes: Annotated[
+        int,
+        msgspec.Meta(
+            description="hosts the tensor-parallel ranks are spread over, "
+            "--tensor-parallel-size / N ranks each; host 0 runs the server and rank 0, the "
+            "others `gapless serve --headless`",
+            ge=1,
+            extra={"metavar": "N"},
+        ),
+    ] = 1
+    node_rank: Annotated[
+        int, msgspec.Meta(description="this host's number among --nnodes, 0 first", ge=0)
+    ] = 0
+    master_addr: Annotated[
+        str,
+        msgspec.Meta(
+            description="address of host 0, where the ranks meet (torch.distributed's TCP "
+            "store) and read the plans",
+            extra={"metavar": "ADDR"},
+        ),
+    ] = "127.0.0.1"
+    master_port: Annotated[
+        int,
+        msgspec.Meta(
+            description="port of the ranks' TCP store on host 0; the plans go out on the next "
+            "port (0: a free port, one host only)",
+            ge=0,
+            le=65534,
+            extra={"metavar": "PORT"},
+        ),
+    ] = 0
+    headless: Annotated[
+        bool,
+        msgspec.Meta(
+            description="run only this host's tensor-parallel ranks (--node-rank above 0), "
+            "no server: they join host 0's at --master-addr"
+        ),
+    ] = False
     threads: Annotated[
         int,
         msgspec.Meta(
@@ -424,6 +483,12 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     admin_keys: Annotated[tuple[str, ...], NOT_A_FLAG] = ()  # those of api_keys marked admin
     # every tenant the keys file or --tenant-weight names; any other weighs 1, priority 0
     tenants: Annotated[dict[str, TenantSpec], NOT_A_FLAG] = {}
+
+    @property
+    def num_ranks(self) -> int:
+        """Runner processes: one per tensor-parallel rank; one on sim, whose profile models
+        the ranks' timing instead."""
+        return 1 if self.device == "sim" else self.tensor_parallel_size
 
     @property
     def tenant_weights(self) -> dict[str, float]:

@@ -22,6 +22,7 @@ from gapless.shm import names as shm
 CORE_IN = "core_in"  # frontends and detokenizer -> core
 RUNNER_IN = "runner_in"  # core -> gpu_runner
 RUNNER_OUT = "runner_out"  # gpu_runner -> core
+RUNNER_PLANS = "runner_plans"  # core -> every rank of a tensor-parallel runner (published)
 DETOK_IN = "detok_in"  # core -> detokenizer
 CONTROL = "control"  # every process -> supervisor
 
@@ -31,6 +32,20 @@ ROLE_NAMES = {"gpu_runner": "runner", "detokenizer": "detok"}  # as logs name th
 
 def frontend_socket(frontend_id: int) -> str:
     return f"frontend_{frontend_id}"
+
+
+def plan_endpoints(config: EngineConfig) -> list[str]:
+    """Where the core publishes plans to tensor-parallel ranks: its run directory, and for
+    ranks on other hosts the port after --master-port on --master-addr."""
+    endpoints = [config.ipc(RUNNER_PLANS)]
+    if config.nnodes > 1:
+        endpoints.append(f"tcp://{config.master_addr}:{config.master_port + 1}")
+    return endpoints
+
+
+def plan_endpoint(config: EngineConfig) -> str:
+    """Where this host's ranks read the plans (plan_endpoints)."""
+    return plan_endpoints(config)[0 if config.node_rank == 0 else 1]
 
 
 _stop = threading.Event()

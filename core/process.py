@@ -7,7 +7,7 @@ import time
 
 import zmq
 
-from gapless.common.channel import Receiver, Sender
+from gapless.common.channel import Publisher, Receiver, Sender
 from gapless.common.config import EngineConfig
 from gapless.common.messages import (
     HEARTBEAT_INTERVAL_S,
@@ -19,6 +19,7 @@ from gapless.common.messages import (
     RunnerInput,
     RunnerOutput,
     RunnerReady,
+    Shutdown,
     StepRefused,
     StepResult,
 )
@@ -29,6 +30,7 @@ from gapless.common.process import (
     RUNNER_OUT,
     ControlReporter,
     frontend_socket,
+    plan_endpoints,
     stop_requested,
 )
 from gapless.core.engine import EngineCore, EngineOutputs
@@ -73,12 +75,18 @@ class StatsLine:
 class CoreProcess:
     """Moves messages between the sockets and the EngineCore; no scheduling logic here."""
 
-    def __init__(self, core: EngineCore, ctx: zmq.Context, results: Receiver[RunnerOutput]) -> None:
+    def __init__(
+        self,
+        core: EngineCore,
+        ctx: zmq.Context,
+        results: Receiver[RunnerOutput],
+        runner: Sender[RunnerInput] | Publisher[RunnerInput] | None = None,
+    ) -> None:
         config = core.config
         self.core = core
         self.inbox: Receiver[CoreInput] = Receiver(ctx, config.ipc(CORE_IN), CoreInput)
         self.results = results
-        self.runner: Sender[RunnerInput] = Sender(ctx, config.ipc(RUNNER_IN), shm=True)
+        self.runner = runner or plan_sender(ctx, config)
         self.detok: Sender[DetokInput] = Sender(ctx, config.ipc(DETOK_IN), shm=True)
         self.frontends: list[Sender[FrontendInput]] = [
             Sender(ctx, config.ipc(frontend_socket(i))) for i in range(config.api_servers)
@@ -128,6 +136,18 @@ class CoreProcess:
                             "unexpected_message", f"{type(other).__name__} from the runner"
                         )
         core.timeline.close()
+        if isinstance(self.runner, Publisher):  # the ranks hear the stop from here
+            self.runner.send(Shutdown())
+            self.runner.close(linger_ms=500)
+
+
+def plan_sender(
+    ctx: zmq.Context, config: EngineConfig
+) -> Sender[RunnerInput] | Publisher[RunnerInput]:
+    """Where plans go: the runner's socket, or one publisher every tensor-parallel rank reads."""
+    if config.num_ranks > 1:
+        return Publisher(ctx, *plan_endpoints(config))
+    return Sender(ctx, config.ipc(RUNNER_IN), shm=True)
 
 
 def run_core(config: EngineConfig) -> None:
@@ -135,6 +155,7 @@ def run_core(config: EngineConfig) -> None:
     ctx = zmq.Context()
     control = ControlReporter(ctx, config, "core")
     results: Receiver[RunnerOutput] = Receiver(ctx, config.ipc(RUNNER_OUT), RunnerOutput)
+    runner = plan_sender(ctx, config)
     try:
         ready = None
         while ready is None and not stop_requested():
@@ -143,7 +164,11 @@ def run_core(config: EngineConfig) -> None:
                 ready = msg
         if ready is None:
             return
-        process = CoreProcess(EngineCore(config, ready.num_kv_blocks), ctx, results)
+        if isinstance(runner, Publisher):  # why: a plan published before a rank joined is lost
+            size = config.num_ranks
+            if not runner.wait_subscribers(size, int(config.dist_timeout_s * 1000)):
+                raise RuntimeError(f"{runner.num_subscribers} of {size} runner ranks joined")
+        process = CoreProcess(EngineCore(config, ready.num_kv_blocks), ctx, results, runner)
         control.ready(num_kv_blocks=ready.num_kv_blocks)
         process.run()
     except Exception as e:  # reported, then the supervisor ends the engine

@@ -29,17 +29,22 @@ class Backend(Protocol):
         """The step's ids and timeline; blocks until the step is done."""
 
 
-def make_backend(config) -> Backend:
-    if config.device == "cpu":
-        from gapless.gpu_runner.cpu.backend import CpuBackend
-
-        return CpuBackend(config)
+def make_backend(config, rank: int = 0) -> Backend:
+    """The device's backend; with --tensor-parallel-size above 1, tensor-parallel rank `rank`,
+    after every rank joined the group (gpu_runner/tensor_parallel.py)."""
     if config.device == "sim":
         from gapless.gpu_runner.sim.backend import SimBackend
 
         return SimBackend(config)
+    from gapless.gpu_runner.tensor_parallel import init_tensor_parallel
+
+    tp = init_tensor_parallel(config, rank)
+    if config.device == "cpu":
+        from gapless.gpu_runner.cpu.backend import CpuBackend
+
+        return CpuBackend(config, tp=tp)
     if config.device == "cuda":
         from gapless.gpu_runner.cuda.backend import CudaBackend
 
-        return CudaBackend(config)
+        return CudaBackend(config, tp)
     raise ValueError(f"unknown device {config.device!r}")

@@ -8,7 +8,7 @@ from collections import deque
 
 import zmq
 
-from gapless.common.channel import Receiver, Sender
+from gapless.common.channel import Receiver, Sender, Subscriber
 from gapless.common.config import EngineConfig
 from gapless.common.messages import (
     RunnerInput,
@@ -17,7 +17,13 @@ from gapless.common.messages import (
     Shutdown,
     StepRefused,
 )
-from gapless.common.process import RUNNER_IN, RUNNER_OUT, ControlReporter, stop_requested
+from gapless.common.process import (
+    RUNNER_IN,
+    RUNNER_OUT,
+    ControlReporter,
+    plan_endpoint,
+    stop_requested,
+)
 from gapless.gpu_runner.cpu.threads import set_wait_policy
 from gapless.gpu_runner.plan_check import PlanCheck
 
@@ -28,27 +34,46 @@ def _until_ready(backend, step) -> float:
     return 0.0 if isinstance(step, StepRefused) else backend.seconds_until_ready(step)
 
 
-def run_gpu_runner(config: EngineConfig) -> None:
+class _NoResults:
+    """Where a tensor-parallel rank other than 0 publishes: nowhere (rank 0 speaks for all)."""
+
+    def send(self, msg: RunnerOutput) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def run_gpu_runner(config: EngineConfig, rank: int = 0) -> None:
     """Loads the model, reports its KV capacity, then runs plans strictly in order.
 
     The loop launches every plan that has arrived before it publishes the oldest finished
     step, so a plan for step n+1 reaches the device while step n's ids are still being copied,
     and it waits for plans, never sleeps, while a step runs.
+
+    With --tensor-parallel-size N, N of these run, rank 0..N-1: each reads every plan from the
+    core's publisher and runs every step; only rank 0 reports READY and sends results.
     """
     ctx = zmq.Context()
-    control = ControlReporter(ctx, config, "gpu_runner")
-    plans: Receiver[RunnerInput] = Receiver(ctx, config.ipc(RUNNER_IN), RunnerInput)
-    results: Sender[RunnerOutput] = Sender(ctx, config.ipc(RUNNER_OUT), shm=True)
+    control = ControlReporter(ctx, config, "gpu_runner" if rank == 0 else f"gpu_runner{rank}")
+    plans: Receiver[RunnerInput]
+    if config.num_ranks > 1:
+        plans = Subscriber(ctx, plan_endpoint(config), RunnerInput)
+    else:
+        plans = Receiver(ctx, config.ipc(RUNNER_IN), RunnerInput)
+    results: Sender[RunnerOutput] | _NoResults = _NoResults()
+    if rank == 0:
+        results = Sender(ctx, config.ipc(RUNNER_OUT), shm=True)
     try:
         if config.device == "cpu":
             set_wait_policy(config.cpu_wait)  # why first: torch reads it when it loads
         from gapless.gpu_runner.backend import make_backend
 
-        backend = make_backend(config)
+        backend = make_backend(config, rank)
         check = PlanCheck(config, backend.batch, backend.num_blocks)
         results.send(RunnerReady(num_kv_blocks=backend.num_blocks))
-        # cuda: the KV cache's bytes, the memory budget and the startup stages' ms as well
-        control.ready(num_kv_blocks=backend.num_blocks, **getattr(backend, "ready_info", {}))
+        if rank == 0:  # cuda: the KV cache's bytes, the memory budget, the stages' ms as well
+            control.ready(num_kv_blocks=backend.num_blocks, **getattr(backend, "ready_info", {}))
         inflight: deque = deque()
         while not stop_requested():
             # 1. launch every plan that is waiting; wait for one no longer than the oldest
@@ -57,6 +82,10 @@ def run_gpu_runner(config: EngineConfig) -> None:
             if plans.wait(wait_s):
                 for msg in plans.drain():
                     if isinstance(msg, Shutdown):
+                        if config.num_ranks > 1:
+                            from gapless.gpu_runner.tensor_parallel import leave_group
+
+                            leave_group()
                         return
                     # why first: a plan the batch cannot run changes nothing; its refusal
                     # takes the step's place in line, so the core learns of it in order. One
@@ -67,6 +96,8 @@ def run_gpu_runner(config: EngineConfig) -> None:
                         inflight.append(backend.launch(msg))
                     elif in_line:
                         inflight.append(StepRefused(msg.seq, why))
+            elif not inflight and isinstance(plans, Subscriber) and plans.lost():
+                raise RuntimeError("the core's plans stopped: host 0's engine is gone")
             # 2. publish the oldest step once its ids are on the host
             if inflight and _until_ready(backend, inflight[0]) <= 0:
                 step = inflight.popleft()

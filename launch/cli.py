@@ -147,6 +147,7 @@ def add_config_flags(p: argparse.ArgumentParser, cls: type[msgspec.Struct] = Eng
             default = None  # config_from_args fills it in for the --device given
         p.add_argument(
             name,
+            *("--" + alias for alias in extra.get("aliases", ())),
             dest=field.name,
             metavar=None if choices else extra.get("metavar", name[2:].upper().replace("-", "_")),
             type=parse if choices else _checked(parse, field.type),  # argparse names choices
@@ -184,6 +185,31 @@ def add_serve_args(p: argparse.ArgumentParser, cls: type[EngineConfig] = EngineC
     )
 
 
+def check_tensor_parallel(config: EngineConfig) -> None:
+    """ValueError naming the flag when --tensor-parallel-size cannot split this model here."""
+    from gapless.common.model_files import load_arch
+    from gapless.common.shards import split_problem
+
+    size, hosts = config.tensor_parallel_size, config.nnodes
+    if size % hosts:
+        raise ValueError(f"--nnodes {hosts} must divide --tensor-parallel-size {size}")
+    if config.node_rank >= hosts:
+        raise ValueError(f"--node-rank {config.node_rank} must be below --nnodes {hosts}")
+    if hosts > 1 and not config.master_port:
+        raise ValueError("--nnodes above 1 needs --master-port (host 0's, the same on every host)")
+    if config.headless != (config.node_rank > 0):
+        raise ValueError("--headless runs the ranks of a --node-rank above 0, and only there")
+    if config.device == "sim" and hosts > 1:
+        raise ValueError("--nnodes runs on --device cpu and cuda (sim has no ranks to spread)")
+    if size == 1 or config.device == "sim":  # sim: the profile's timing at `size` GPUs
+        return
+    if config.quantization not in ("auto", "none"):
+        raise ValueError("--quantization is not available with --tensor-parallel-size yet")
+    problem = split_problem(load_arch(config.model), size)
+    if problem:
+        raise ValueError(f"--tensor-parallel-size {size}: {problem}")
+
+
 def config_from_args(
     args: argparse.Namespace, cls: type[EngineConfig] = EngineConfig
 ) -> EngineConfig:
@@ -218,6 +244,7 @@ def config_from_args(
         tenants=tenants,
         **flags,
     )
+    check_tensor_parallel(config)
     size = len(encode_config(config).encode())
     if size > MAX_CONFIG_BYTES:
         raise ValueError(

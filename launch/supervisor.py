@@ -8,6 +8,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -145,7 +146,9 @@ class Supervisor:
         _wait_all(fronts, timeout)
 
     def stop_engine(self, timeout: float = 5.0) -> None:
-        for addr in (CORE_IN, RUNNER_IN, DETOK_IN):
+        # tensor-parallel ranks read only the core's publisher: the core tells them
+        runner = (RUNNER_IN,) if self.config.num_ranks == 1 else ()
+        for addr in (CORE_IN, *runner, DETOK_IN):
             s: Sender = Sender(self.ctx, self.config.ipc(addr))
             s.send(Shutdown())
             s.socket.close(linger=200)
@@ -174,10 +177,56 @@ def _wait_all(procs: list[subprocess.Popen], timeout: float) -> None:
             p.kill()
 
 
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def spawn_runners(sup: Supervisor) -> None:
+    """The runner, or one process per tensor-parallel rank of this host (gpu_runner for rank
+    0, gpu_runner1, ...): each watched like every process, any one's death the engine's."""
+    c = sup.config
+    per_host = c.num_ranks // c.nnodes
+    for rank in range(c.node_rank * per_host, (c.node_rank + 1) * per_host):
+        sup.spawn("gpu_runner", *([str(rank)] if rank else []))
+
+
+def serve_headless(sup: Supervisor) -> int:
+    """This host's ranks only (--headless): they join host 0's group and read its plans.
+    Exit 0 when they all stop on host 0's Shutdown or on SIGTERM here, 1 when one fails."""
+    c = sup.config
+    _log(f"ranks of host {c.node_rank} of {c.nnodes} joining {c.master_addr}:{c.master_port}")
+    spawn_runners(sup)
+    try:
+        while not sup.stopping:
+            codes = [p.poll() for p in sup.procs.values()]
+            if all(code == 0 for code in codes):
+                _log("stopped: host 0 shut the engine down")
+                return 0
+            for name, proc in sup.procs.items():
+                if proc.poll() not in (None, 0):
+                    raise EngineFailed(f"process {name} (pid {proc.pid}) exited with code "
+                                       f"{proc.returncode}")  # fmt: skip
+            match sup.control.recv(timeout_ms=100):
+                case Fatal(role=role, message=message):
+                    raise EngineFailed(f"{role} failed: {message}")
+    except EngineFailed as e:
+        log.error(f"engine failed: {e}")
+        return 1
+    finally:
+        sup.close()
+    _log("stopped")
+    return 0
+
+
 def serve(config: EngineConfig) -> int:
     """Runs the whole engine until SIGTERM/SIGINT (exit 0) or a process dies (exit 1)."""
     setup_logging(config.log_level, config.log_format, "supervisor")
     config = msgspec.structs.replace(config, run_dir=make_run_dir())
+    if config.num_ranks > 1 and not config.master_port:
+        port = free_port(config.master_addr)  # the group's TCP store, served by rank 0
+        config = msgspec.structs.replace(config, master_port=port)
     sup = Supervisor(config)
 
     def on_signal(signum, _frame) -> None:
@@ -188,10 +237,13 @@ def serve(config: EngineConfig) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    if config.headless:
+        return serve_headless(sup)
     try:
         _log(f"loading {config.model.path} on {config.device} ...")
         t0 = time.monotonic()
-        for role in ENGINE_ROLES:
+        spawn_runners(sup)
+        for role in ENGINE_ROLES[1:]:
             sup.spawn(role)
         ready = sup.wait_ready(list(ENGINE_ROLES))
         # block 0 is reserved for padding; report what requests can hold, as /metrics does
@@ -201,6 +253,7 @@ def serve(config: EngineConfig) -> int:
             f"{blocks} KV blocks of "
             f"{config.block_size} tokens ({blocks * config.block_size} tokens)"
             + device_note(ready["gpu_runner"].info)
+            + (f", {n} tensor-parallel ranks" if (n := config.num_ranks) > 1 else "")
         )
         for i in range(config.api_servers):
             sup.spawn("frontend", str(i))

@@ -1,4 +1,5 @@
-"""`python -m gapless.launch.worker ROLE [FRONTEND_ID]`: how the supervisor starts each process."""
+"""`python -m gapless.launch.worker ROLE [FRONTEND_ID | RANK]`: how the supervisor starts each
+process (RANK: a tensor-parallel runner's, 0 when left out)."""
 
 from __future__ import annotations
 
@@ -46,7 +47,7 @@ def _ask_slice(ns: int) -> None:
 
 def main(argv: list[str]) -> None:
     role = argv[0]
-    config = child_setup(role if role != "frontend" else f"frontend{argv[1]}")
+    config = child_setup(role if len(argv) < 2 else f"{role}{argv[1]}")
     if NICE.get(role):
         os.nice(NICE[role])
     if SLICE_NS.get(role):
@@ -73,8 +74,9 @@ def _run(role: str, config, argv: list[str]) -> None:
     elif role == "gpu_runner":
         from gapless.gpu_runner.process import run_gpu_runner
 
-        _set_name("gapless-runner")
-        run_gpu_runner(config)
+        rank = int(argv[1]) if len(argv) > 1 else 0  # its tensor-parallel rank
+        _set_name(f"gapless-runner{rank or ''}")
+        run_gpu_runner(config, rank)
     elif role == "detokenizer":
         from gapless.detokenizer.process import run_detokenizer
 

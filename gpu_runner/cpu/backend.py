@@ -30,33 +30,51 @@ from gapless.gpu_runner.graph import capture_sizes
 from gapless.gpu_runner.kv_cache import blocks_in
 from gapless.gpu_runner.model import CausalLM
 from gapless.gpu_runner.model.load import DTYPES, load_model
+from gapless.gpu_runner.model.shard import local_arch
+from gapless.gpu_runner.tensor_parallel import TensorParallel
 
 log = logging.getLogger("gapless.gpu_runner")
 CPU = torch.device("cpu")
 
 
 def num_kv_blocks(arch: ModelArch, config: EngineConfig, dtype: torch.dtype) -> int:
-    """Blocks that fit in --kv-cache-memory (its cpu default when not given)."""
+    """Blocks that fit in --kv-cache-memory (its cpu default when not given), shared by the
+    tensor-parallel ranks: each holds its K/V heads' share of every block."""
     memory = CPU_KV_CACHE_MEMORY if config.kv_cache_memory is None else config.kv_cache_memory
-    return blocks_in(memory, arch, config, dtype)
+    return blocks_in(memory // config.tensor_parallel_size, arch, config, dtype)
 
 
 class CpuBackend:
-    def __init__(self, config: EngineConfig, use_graphs: bool | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        use_graphs: bool | None = None,
+        tp: TensorParallel | None = None,
+    ) -> None:
         """use_graphs (default config.cuda_graph): run decode-only batches padded through the
-        graph layer (compiled with --compile); False runs every step eagerly at its own size."""
+        graph layer (compiled with --compile); False runs every step eagerly at its own size.
+        tp: this rank of a tensor-parallel group; the step is then eager (the compiled layers
+        hold no collectives) and --threads is shared among the ranks of this host."""
         self.config = config
+        self.tp = tp
         self.use_graphs = config.cuda_graph if use_graphs is None else use_graphs
-        torch.set_num_threads(config.threads)
+        ranks_here = config.tensor_parallel_size // config.nnodes  # ranks on this host
+        threads = max(1, config.threads // ranks_here)
+        torch.set_num_threads(threads)
         self.dtype = DTYPES[resolve_dtype(config.dtype, "cpu")]
-        self.arch = load_arch(config.model)
-        self.quantization = resolve_quantization(
-            config.quantization, config.dtype, "cpu", config.model.path
-        )
+        self.full_arch = load_arch(config.model)
+        self.arch = self.full_arch if tp is None else local_arch(self.full_arch, tp.rank, tp.size)
+        self.quantization = "none"
+        if tp is None:
+            self.quantization = resolve_quantization(
+                config.quantization, config.dtype, "cpu", config.model.path
+            )
         self.model = self._load_model()
         num_blocks = num_kv_blocks(self.arch, config, self.dtype)
+        if tp is not None:  # the core sees one pool: what every rank can hold
+            num_blocks = tp.min(num_blocks, CPU)
         assert num_blocks >= 2, "--kv-cache-memory holds less than one KV block"
-        self.compiled = config.compile and self.use_graphs
+        self.compiled = config.compile and self.use_graphs and tp is None
         batch = batch_for(config, CPU)
         self.attn = self._attention(batch)
         parts = DeviceParts(
@@ -68,7 +86,7 @@ class CpuBackend:
             sampling=CPU_SAMPLING,
             pad=self.use_graphs,
             run_layers=compiled.CompiledLayers() if self.compiled else None,
-            before_forward=ThreadSizer(config.threads) if config.threads > 1 else None,
+            before_forward=ThreadSizer(threads) if threads > 1 else None,
         )
         self.executor = StepExecutor(config, self.arch, self.model, self.dtype, num_blocks, parts)
         self.graphs = self.executor.graphs
@@ -84,7 +102,7 @@ class CpuBackend:
         return self.executor.batch
 
     def _load_model(self) -> CausalLM:
-        model = load_model(self.config.model, self.arch, CPU, self.dtype)
+        model = load_model(self.config.model, self.full_arch, CPU, self.dtype, self.tp)
         if self.quantization != "none":
             quantize_model(model, self.quantization, self.config.model.path, self.arch)
         log.info("%s: %s activations, %s weights", self.config.served_model_name,

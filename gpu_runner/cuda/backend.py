@@ -29,14 +29,17 @@ from gapless.gpu_runner.device import DeviceParts
 from gapless.gpu_runner.executor import Launched, StepExecutor
 from gapless.gpu_runner.kv_cache import blocks_in
 from gapless.gpu_runner.model.load import DTYPES, load_model
+from gapless.gpu_runner.model.shard import local_arch
 from gapless.gpu_runner.sampling.sampler import SamplingPaths
+from gapless.gpu_runner.tensor_parallel import TensorParallel
 
 log = logging.getLogger("gapless.gpu_runner")
 CUDA_SAMPLING = SamplingPaths(pinned_uploads=True)
 
 
 class CudaBackend:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, tp: TensorParallel | None = None) -> None:
+        """tp: this rank of a tensor-parallel group, on its own GPU (the current device)."""
         import_flashinfer()  # fail before loading weights when the extra is missing
         since = time.perf_counter()
         free_at_start = torch.cuda.mem_get_info()[0]  # bytes, this process's context made
@@ -45,15 +48,19 @@ class CudaBackend:
         self.use_graphs = config.cuda_graph
         device = torch.device("cuda")
         self.dtype = DTYPES["bfloat16" if config.dtype == "auto" else config.dtype]
-        self.arch = load_arch(config.model)
-        self.model = load_model(config.model, self.arch, device, self.dtype).eval()
+        full = load_arch(config.model)
+        self.arch = full if tp is None else local_arch(full, tp.rank, tp.size)
+        self.model = load_model(config.model, full, device, self.dtype, tp).eval()
         log.info("%s: %s activations, none weights", config.served_model_name,
                  str(self.dtype).removeprefix("torch."))  # fmt: skip
         memory = config.kv_cache_memory  # None: sized at start from measured memory
         if memory is None:
             num_blocks = first_blocks(config)
         else:
-            num_blocks = blocks_in(memory, self.arch, config, self.dtype)
+            num_blocks = blocks_in(memory // config.tensor_parallel_size, self.arch, config,
+                                   self.dtype)  # fmt: skip
+            if tp is not None:  # the core sees one pool: what every rank can hold
+                num_blocks = tp.min(num_blocks, device)
         assert num_blocks >= 2, "--kv-cache-memory holds less than one KV block"
         batch = batch_for(config, device, PinnedTables)
         bs = config.block_size

@@ -129,6 +129,8 @@ def size_kv_cache(
     per_block = kv_block_bytes(runner.arch, c.block_size, runner.dtype)
     cap = max_useful_blocks(c.max_num_seqs, c.model.max_model_len, c.block_size)
     runner.num_blocks = kv_cache_blocks(plan, per_block, cap)
+    if runner.model.tp is not None:  # the core sees one pool: what every rank can hold
+        runner.num_blocks = runner.model.tp.min(runner.num_blocks, runner.device)
     runner.kv_cache = runner.make_kv_cache(runner.num_blocks)
     return plan
 

@@ -5,15 +5,20 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from gapless.common.families.base import ModelArch
+from gapless.common.shards import vocab_range
 from gapless.gpu_runner.attention import AttentionMeta
 from gapless.gpu_runner.model.layers import MLP, Attention, RMSNorm
 from gapless.gpu_runner.model.moe import MoE
 from gapless.gpu_runner.model.rope import Rope
+
+if TYPE_CHECKING:
+    from gapless.gpu_runner.tensor_parallel import TensorParallel
 
 # why fused: one matmul over the concatenated rows reads the same weights in fewer, larger
 # calls, faster at one row and at 32 (bench/RESULTS.md, "attention's vector path, fused
@@ -53,8 +58,10 @@ def fuse_weights(named: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch, layer: int) -> None:
+    def __init__(self, arch: ModelArch, layer: int, tp: TensorParallel | None = None) -> None:
         super().__init__()
+        # tensor parallel: attention and MLP outputs are this rank's partial sums
+        self.reduce = tp.all_reduce if tp is not None else None
         eps, offset = arch.rms_norm_eps, arch.norm_offset
         self.self_attn = Attention(arch, layer)
         self.mlp: nn.Module = (
@@ -76,20 +83,31 @@ class DecoderLayer(nn.Module):
     def forward(self, x, cos, sin, kv, meta) -> torch.Tensor:
         # cos, sin [R, T, 1, rot]: the step's RoPE tables
         h = self.self_attn(self.input_layernorm(x), cos[self.rope], sin[self.rope], kv, meta)
+        if self.reduce is not None:
+            h = self.reduce(h)
         if not self.sandwich:
             x = x + h
-            return x + self.mlp(self.post_attention_layernorm(x))
+            return x + self._mlp(self.post_attention_layernorm(x))
         x = x + self.post_attention_layernorm(h)
-        h = self.mlp(self.pre_feedforward_layernorm(x))
+        h = self._mlp(self.pre_feedforward_layernorm(x))
         return x + self.post_feedforward_layernorm(h)
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.mlp(x)
+        return h if self.reduce is None else self.reduce(h)
 
 
 class Backbone(nn.Module):
-    def __init__(self, arch: ModelArch) -> None:
+    def __init__(self, arch: ModelArch, tp: TensorParallel | None = None) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_layers))
+        self.embed_tokens = nn.Embedding(_vocab_rows(arch, tp), arch.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(arch, i, tp) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.norm_offset)
+
+
+def _vocab_rows(arch: ModelArch, tp: TensorParallel | None) -> int:
+    """Rows of the embedding and output layer: the vocabulary, or a rank's padded share."""
+    return arch.vocab_size if tp is None else -(-arch.vocab_size // tp.size)
 
 
 @functools.cache
@@ -100,13 +118,17 @@ def _in_dtype(value: float, dtype: torch.dtype) -> float:
 
 class CausalLM(nn.Module):
     """Parameter names follow Hugging Face's, so a state dict loads as is (fuse_weights joins
-    the parts that are one layer here)."""
+    the parts that are one layer here).
 
-    def __init__(self, arch: ModelArch) -> None:
+    With tensor parallelism (tp), arch is the rank's share (gpu_runner/model/shard.py) and the
+    embedding and output layer hold its rows of the vocabulary; the logits come back whole."""
+
+    def __init__(self, arch: ModelArch, tp: TensorParallel | None = None) -> None:
         super().__init__()
         self.arch = arch
-        self.model = Backbone(arch)
-        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.tp = tp
+        self.model = Backbone(arch, tp)
+        self.lm_head = nn.Linear(arch.hidden_size, _vocab_rows(arch, tp), bias=False)
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.make_ropes()
@@ -135,6 +157,14 @@ class CausalLM(nn.Module):
         assert not missing and not unexpected, f"weights mismatch: {missing=} {unexpected=}"
         self.make_ropes()  # why: a model made on the meta device holds none yet
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T, hidden]
+        if self.tp is None:
+            return self.model.embed_tokens(input_ids)
+        start, end = vocab_range(self.arch.vocab_size, self.tp.size, self.tp.rank)
+        mine = (input_ids >= start) & (input_ids < end)
+        x = self.model.embed_tokens(torch.where(mine, input_ids - start, 0))
+        return self.tp.all_reduce(x * mine[:, None].to(x.dtype))
+
     def rope(self, positions: torch.Tensor, dtype: torch.dtype):
         """cos, sin [R, T, 1, rot] of dtype: one table per RoPE (Gemma 3's sliding layers
         have their own)."""
@@ -153,7 +183,7 @@ class CausalLM(nn.Module):
         # (layers, x, cos, sin, kv_cache, meta) -> x: the decoder layers run some other way
         run_layers: Callable | None = None,
     ) -> torch.Tensor:  # [B, vocab] float32
-        x = self.model.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         if self.arch.embed_scale != 1.0:
             x = x * _in_dtype(self.arch.embed_scale, x.dtype)
         cos, sin = self.rope(positions, x.dtype)
@@ -164,6 +194,8 @@ class CausalLM(nn.Module):
                 x = layer(x, cos, sin, kv_cache[i], meta)
         x = self.model.norm(x.index_select(0, logit_rows))
         logits = self.lm_head(x).float()
+        if self.tp is not None:  # [B, chunk] per rank -> [B, vocab] on every rank
+            logits = self.tp.all_gather_last(logits)[:, : self.arch.vocab_size]
         if self.arch.final_softcap:
             cap = self.arch.final_softcap
             logits = torch.tanh(logits / cap) * cap

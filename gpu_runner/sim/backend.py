@@ -11,6 +11,7 @@ strings and detokenization does real work.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -56,6 +57,8 @@ class SimBackend:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.profile = get_profile(config.sim_profile)
+        if config.tensor_parallel_size > 1:  # weights, heads and KV over that many GPUs
+            self.profile = dataclasses.replace(self.profile, tp=config.tensor_parallel_size)
         self.num_blocks = num_kv_blocks(
             self.profile, config.block_size, config.max_num_seqs, config.model.max_model_len
         )

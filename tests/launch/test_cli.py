@@ -50,6 +50,13 @@ FLAGS = {
     "--max-queued-requests N": None,
     "--max-queued-tokens TOKENS": None,
     "--threads": str(default_threads()),
+    "--tensor-parallel-size N, --tp N": "1",
+    "--dist-timeout S": "120.0",
+    "--nnodes N": "1",
+    "--node-rank": "0",
+    "--master-addr ADDR": "127.0.0.1",
+    "--master-port PORT": "0",
+    "--headless": "off",
     "--cpu-wait {short,passive,spin}": "short",
     "--seed": "0",
     "--sim-profile": "h100-llama3-8b",
@@ -386,3 +393,31 @@ def test_a_config_too_large_for_the_environment_is_refused(tmp_path):
     path = write_keys(tmp_path, {f"sk-{i:020d}": f"tenant-{i}" for i in range(4000)})
     with pytest.raises(ValueError, match="4000 API keys, 4000 tenants"):
         serve_config("--api-keys-file", path)
+
+
+def test_tp_is_the_tensor_parallel_size_and_a_split_it_cannot_make_is_refused(monkeypatch):
+    """--tp and its split over hosts; what cannot be split or joined is named before any
+    process starts."""
+    from gapless.common.families.base import ModelArch
+
+    arch = ModelArch(architecture="llama", vocab_size=10, hidden_size=64, intermediate_size=96,
+                     num_layers=1, num_heads=9, num_kv_heads=3, head_dim=16, rope_theta=1e4,
+                     rms_norm_eps=1e-5, max_position=64, tie_word_embeddings=True,
+                     attention_bias=False)  # fmt: skip
+    monkeypatch.setattr(model_files, "load_arch", lambda info: arch)
+    assert serve_config("--tp", "3").tensor_parallel_size == 3
+    assert serve_config("--tensor-parallel-size", "2").tensor_parallel_size == 2
+    sim = serve_config("--tp", "4", "--device", "sim")  # the profile's timing at 4 GPUs
+    assert sim.tensor_parallel_size == 4 and sim.num_ranks == 1
+    refusals = {
+        ("--tp", "4"): "--tensor-parallel-size 4: 4 ranks cannot share the model's 3 K/V heads",
+        ("--tp", "2", "--nnodes", "2", "--master-port", "5000", "--device", "sim"): "sim has no",
+        ("--tp", "2", "--quantization", "int8"): "--quantization is not available",
+        ("--tp", "3", "--nnodes", "2", "--master-port", "5000"): "--nnodes 2 must divide",
+        ("--tp", "2", "--nnodes", "2"): "needs --master-port",
+        ("--tp", "2", "--nnodes", "2", "--master-port", "5000", "--node-rank", "1"): "--headless",
+        ("--tp", "2", "--headless"): "--headless runs the ranks of a --node-rank above 0",
+    }
+    for argv, why in refusals.items():
+        with pytest.raises(ValueError, match=why):
+            serve_config(*argv)
