@@ -23,8 +23,11 @@ model: setup
 serve: model
 	$(VENV)/bin/gapless serve $(ARGS)
 
+# the suite on two pytest-xdist workers: most of its time is servers waiting on sockets and the
+# sim device's modelled steps; TEST_WORKERS=0 runs it in one process
+TEST_WORKERS ?= 2
 test: model
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 bench: model
 	$(PY) -m pytest tests -k bench --benchmark-enable --benchmark-only $(PYTEST_ARGS)
