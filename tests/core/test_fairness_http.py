@@ -12,7 +12,8 @@ import pytest
 from gapless.bench.cli import main
 from tests.server import Server
 
-pytestmark = pytest.mark.slow
+# why serial: the shares are read off client-side times, which other tests' load skews
+pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 
 _seeds = itertools.count(1)
