@@ -23,15 +23,11 @@ model: setup
 serve: model
 	$(VENV)/bin/gapless serve $(ARGS)
 
-# the suite on two pytest-xdist workers (most of its time is servers waiting on sockets and the
-# sim device's modelled steps), then the tests marked serial alone; TEST_WORKERS=0: one process.
-# pytest exits 5 when it ran nothing: that fails unless the other phase ran tests
+# the suite on two pytest-xdist workers, then the tests marked serial alone (tests/suite.sh);
+# TEST_WORKERS=0 runs the first phase in one process
 TEST_WORKERS ?= 2
 test: model
-	@$(PY) -m pytest -n $(TEST_WORKERS) -m "not serial" $(PYTEST_ARGS); a=$$?; \
-	$(PY) -m pytest -m serial $(PYTEST_ARGS); b=$$?; \
-	if [ $$a -eq 5 ] && [ $$b -eq 5 ]; then exit 5; fi; \
-	for rc in $$a $$b; do if [ $$rc -ne 0 ] && [ $$rc -ne 5 ]; then exit $$rc; fi; done
+	bash tests/suite.sh $(PY) $(TEST_WORKERS) $(PYTEST_ARGS)
 
 bench: model
 	$(PY) -m pytest tests -k bench --benchmark-enable --benchmark-only $(PYTEST_ARGS)
