@@ -36,7 +36,7 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 KEY = "fuzz-admin-key"
-MAX_EXAMPLES = 8  # per operation and phase; the by-hand run above takes more
+MAX_EXAMPLES = 5  # per operation and phase; the by-hand run above takes more
 MAX_MODEL_LEN = 100_000  # a prompt of generated text fits; the fake engine answers at once
 
 
