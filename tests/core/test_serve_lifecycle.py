@@ -44,10 +44,10 @@ def _stats(server, headers=None) -> dict:
     return httpx.get(server.url + "/v1/engine/stats", headers=headers, timeout=10).json()
 
 
-def _shm_segments() -> set[str]:
-    return (
-        {p.name for p in Path("/dev/shm").glob("gapless*")} if Path("/dev/shm").exists() else set()
-    )
+def _shm_segments(run_dir: str) -> list[str]:
+    """The shared-memory segments of one server's run (other servers may run beside it)."""
+    run_id = os.path.basename(run_dir).removeprefix("gapless-")
+    return [p.name for p in Path("/dev/shm").glob(f"gapless-{run_id}-*")]
 
 
 def test_api_key_and_disconnect_frees_kv(tiny_model_dir):
@@ -95,7 +95,6 @@ def test_api_key_and_disconnect_frees_kv(tiny_model_dir):
 
 
 def test_sigterm_drains_in_flight_requests_and_leaves_nothing(tiny_model_dir):
-    before = _shm_segments()
     s = _serve(tiny_model_dir)
     run_dir = s.run_dir()
     assert run_dir and os.path.isdir(run_dir) and (os.stat(run_dir).st_mode & 0o777) == 0o700
@@ -116,7 +115,7 @@ def test_sigterm_drains_in_flight_requests_and_leaves_nothing(tiny_model_dir):
     assert s.proc.wait(60) == 0, s.read_log()
     assert result.get("finish") == "length", result
     assert not os.path.exists(run_dir), "the run directory is removed at exit"
-    assert _shm_segments() <= before
+    assert not _shm_segments(run_dir), "its shared memory is unlinked at exit"
 
 
 def test_killed_runner_ends_streams_with_an_error_and_serve_exits(tiny_model_dir):
