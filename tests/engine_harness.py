@@ -131,3 +131,23 @@ class Harness:
             for rid in box.stop_hits:
                 self.finish[rid] = "stop_string"
             self.core.handle(StreamEnded(box.stop_hits, "stop"))
+
+
+class Recorder(Harness):
+    """The harness, keeping each token's logprob and each request's cached prompt tokens."""
+
+    def __init__(self, config, backend=None) -> None:
+        super().__init__(config, backend)
+        self.logprobs: dict[str, list[float]] = {}
+        self.cached: dict[str, int] = {}
+
+    def _detokenize(self, msg) -> None:
+        if isinstance(msg, TokenBatch):
+            pos = 0
+            for rid, n in zip(msg.request_ids, msg.counts, strict=True):
+                got = msg.logprobs[pos : pos + n] if msg.logprobs else []
+                self.logprobs.setdefault(rid, []).extend(lp.logprob for lp in got)
+                pos += n
+            if msg.num_cached_tokens:  # sent with a request's last tokens
+                self.cached.update(zip(msg.request_ids, msg.num_cached_tokens, strict=True))
+        super()._detokenize(msg)

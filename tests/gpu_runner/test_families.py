@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gapless.common.messages import SamplingParams, TokenBatch
-from tests.engine_harness import Harness, make_config
+from gapless.common.messages import SamplingParams
+from tests.engine_harness import Recorder, make_config
 from tests.family_models import FAMILIES, WINDOW, build
 
 transformers = pytest.importorskip("transformers")
@@ -19,26 +19,6 @@ NEW_TOKENS = 64
 GREEDY = SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True, logprobs=0)
 BLOCK = 4  # the preempting run's blocks
 assert max(PROMPT_LENS) > WINDOW
-
-
-class Recorder(Harness):
-    """The harness, keeping each token's logprob and each request's cached prompt tokens."""
-
-    def __init__(self, config) -> None:
-        super().__init__(config)
-        self.logprobs: dict[str, list[float]] = {}
-        self.cached: dict[str, int] = {}
-
-    def _detokenize(self, msg) -> None:
-        if isinstance(msg, TokenBatch):
-            pos = 0
-            for rid, n in zip(msg.request_ids, msg.counts, strict=True):
-                got = msg.logprobs[pos : pos + n] if msg.logprobs else []
-                self.logprobs.setdefault(rid, []).extend(lp.logprob for lp in got)
-                pos += n
-            if msg.num_cached_tokens:  # sent with a request's last tokens
-                self.cached.update(zip(msg.request_ids, msg.num_cached_tokens, strict=True))
-        super()._detokenize(msg)
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))

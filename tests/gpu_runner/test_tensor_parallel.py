@@ -32,12 +32,11 @@ from gapless.common.messages import (
     Shutdown,
     StepPlan,
     StepResult,
-    TokenBatch,
 )
 from gapless.common.process import CONTROL, RUNNER_OUT, RUNNER_PLANS
 from gapless.common.shards import kv_head_range, q_head_range, split_problem, vocab_range
 from gapless.gpu_runner.tensor_parallel import TensorParallel
-from tests.engine_harness import Harness, make_config
+from tests.engine_harness import Recorder, make_config
 from tests.family_models import build
 from tests.server import ROOT, free_port
 
@@ -346,26 +345,6 @@ def _kv_bytes(model_dir, blocks: int) -> int:
 
     arch = load_arch(resolve_model(str(model_dir)))
     return blocks * 2 * arch.num_layers * BLOCK * arch.num_kv_heads * arch.head_dim * 4
-
-
-class Recorder(Harness):
-    """The harness, keeping each request's cached prompt tokens and its tokens' logprobs."""
-
-    def __init__(self, config, backend=None) -> None:
-        super().__init__(config, backend)
-        self.cached: dict[str, int] = {}
-        self.logprobs: dict[str, list[float]] = {}
-
-    def _detokenize(self, msg) -> None:
-        if isinstance(msg, TokenBatch):
-            pos = 0
-            for rid, n in zip(msg.request_ids, msg.counts, strict=True):
-                got = msg.logprobs[pos : pos + n] if msg.logprobs else []
-                self.logprobs.setdefault(rid, []).extend(lp.logprob for lp in got)
-                pos += n
-            if msg.num_cached_tokens:
-                self.cached.update(zip(msg.request_ids, msg.num_cached_tokens, strict=True))
-        super()._detokenize(msg)
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2-kv1"])
