@@ -45,7 +45,7 @@ class _Live:
 
 class Flood:
     def __init__(self, config: EngineConfig, ctx: zmq.Context) -> None:
-        self.inbox: Receiver[CoreInput] = Receiver(ctx, config.ipc(CORE_IN), CoreInput)
+        self.inbox: Receiver[CoreInput] = Receiver(ctx, config.engine_ipc(CORE_IN), CoreInput)
         self.outs: list[Sender[FrontendInput]] = [
             Sender(ctx, config.ipc(frontend_socket(i))) for i in range(config.api_servers)
         ]

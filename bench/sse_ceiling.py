@@ -180,7 +180,7 @@ def measure(api_servers: int, streams: int, output_len: int, step_ms: float) -> 
         cpu0, client0 = sum(_cpu_s(pid) for pid in fronts), time.process_time()
         results = uvloop.run(run_clients(config.port, "flood", streams, output_len))
         cpu1, client1 = sum(_cpu_s(pid) for pid in fronts), time.process_time()
-        stop: Sender = Sender(sup.ctx, config.ipc(CORE_IN))
+        stop: Sender = Sender(sup.ctx, config.engine_ipc(CORE_IN))
         stop.send(Shutdown())
         stop.socket.close(linger=500)
         sup.procs["flood"].wait(30)

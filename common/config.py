@@ -233,6 +233,21 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             extra={"aliases": ("tp",), "metavar": "N"},
         ),
     ] = 1
+    data_parallel_size: Annotated[
+        int,
+        msgspec.Meta(
+            description="engine replicas on this host, each a core, a detokenizer and its "
+            "runner(s) (--tensor-parallel-size of them) with a copy of the model and its own KV "
+            "cache, behind the same frontends; a request goes to the replica with the fewest "
+            "tokens to compute before it (queued prompts and KV in use, less the prefix of its "
+            "prompt the replica holds); on cuda, replica k's ranks use the GPUs after replica "
+            "k-1's",
+            ge=1,
+            le=64,
+            extra={"aliases": ("dp",), "metavar": "M"},
+        ),
+    ] = 1
+    replica: Annotated[int, NOT_A_FLAG] = 0  # which replica an engine process belongs to
     dist_timeout_s: Annotated[
         float,
         msgspec.Meta(
@@ -498,6 +513,17 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     def ipc(self, name: str) -> str:
         """ZMQ address of one named socket inside the run directory."""
         return "ipc://" + os.path.join(self.run_dir, name)
+
+    def engine_ipc(self, name: str, replica: int | None = None) -> str:
+        """ZMQ address of one of a replica's engine sockets (this process's replica when left
+        out): replica 0's keep their plain names, replica k's end in `.k`."""
+        k = self.replica if replica is None else replica
+        return self.ipc(name if k == 0 else f"{name}.{k}")
+
+    def role_name(self, role: str) -> str:
+        """How the supervisor and logs name an engine process of this replica: `core`,
+        `gpu_runner1` (rank 1) for replica 0, `core.2` for replica 2."""
+        return role if self.replica == 0 else f"{role}.{self.replica}"
 
 
 def encode_config(config: EngineConfig) -> str:

@@ -293,6 +293,8 @@ class Heartbeat(_Msg):
     """The core's busy loop is turning: sent to every frontend every HEARTBEAT_INTERVAL_S.
     A frontend that hears none for HEARTBEAT_TIMEOUT_S answers /health with 503."""
 
+    replica: int = 0  # whose core (--data-parallel-size)
+
 
 HEARTBEAT_INTERVAL_S = 0.5
 HEARTBEAT_TIMEOUT_S = 3.0
@@ -360,6 +362,8 @@ class QueueState(_Msg):
     waiting_tokens: list[int]  # their prompt tokens
     tenant_waiting: list[dict[str, int]]  # requests per tenant (tenants with none left out)
     drain_per_s: float  # seats freed per second (requests that ended or were preempted), last 10 s
+    replica: int = 0  # whose core (--data-parallel-size)
+    running: int = 0  # requests holding a seat there: how frontends break ties between replicas
 
 
 QUEUE_STATE_INTERVAL_S = 0.02

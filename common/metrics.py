@@ -103,6 +103,18 @@ class BatchedHistogram:
         self._hist._sum.inc(float(values.sum()))  # type: ignore[attr-defined]
 
 
+def rank_busy_counter(replica: int, rank: int, registry: CollectorRegistry | None = None):
+    """`gapless_rank_device_busy_seconds{replica,rank}`: device time of the steps one runner
+    process ran, every tensor-parallel rank its own (only rank 0's timing reaches the core)."""
+    series = Counter(
+        "gapless_rank_device_busy_seconds",
+        "Device time of the steps each runner rank ran",
+        ["replica", "rank"],
+        registry=registry,
+    )
+    return series.labels(str(replica), str(rank))
+
+
 _bad_frames: Counter | None = None
 
 

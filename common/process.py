@@ -37,7 +37,7 @@ def frontend_socket(frontend_id: int) -> str:
 def plan_endpoints(config: EngineConfig) -> list[str]:
     """Where the core publishes plans to tensor-parallel ranks: its run directory, and for
     ranks on other hosts the port after --master-port on --master-addr."""
-    endpoints = [config.ipc(RUNNER_PLANS)]
+    endpoints = [config.engine_ipc(RUNNER_PLANS)]
     if config.nnodes > 1:
         endpoints.append(f"tcp://{config.master_addr}:{config.master_port + 1}")
     return endpoints
@@ -81,7 +81,10 @@ def child_setup(role: str) -> EngineConfig:
     global _parent_pid
     config = decode_config(os.environ[CONFIG_ENV])
     _parent_pid = os.getppid()
-    setup_logging(config.log_level, config.log_format, ROLE_NAMES.get(role, role))
+    name = ROLE_NAMES.get(role, role)
+    if not role.startswith("frontend"):  # the frontends serve every replica
+        name = config.role_name(name)
+    setup_logging(config.log_level, config.log_format, name)
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: _stop.set())
@@ -92,7 +95,8 @@ class ControlReporter:
     """Sends READY and FATAL to the supervisor's control socket."""
 
     def __init__(self, ctx: zmq.Context, config: EngineConfig, role: str) -> None:
-        self.role = role
+        # an engine process speaks as its replica's (EngineConfig.role_name)
+        self.role = role if role.startswith("frontend") else config.role_name(role)
         self._sender: Sender[ControlMessage] = Sender(ctx, config.ipc(CONTROL))
 
     def ready(self, **info: int) -> None:

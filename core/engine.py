@@ -102,7 +102,9 @@ class EngineCore:
         )
         self.inflight: deque[ScheduledStep] = deque()
         self.timeline = DeviceTimeline(config)
-        self.metrics = metrics or CoreMetrics(known_tenants=tuple(config.tenants))
+        self.metrics = metrics or CoreMetrics(
+            known_tenants=tuple(config.tenants), replica=config.replica
+        )
         self.shutdown = False
         self._out = EngineOutputs()
         self._ended: list[tuple[str, str, str]] = []  # (request id, end reason, error) to send
@@ -281,11 +283,11 @@ class EngineCore:
         # why freed, not given: a fill of idle seats gives many and says nothing of the drain
         rate = sum(k for _, k in freed) / DRAIN_WINDOW_S
         self.metrics.observe_tenants(tenants, priorities, self.scheduler)
-        last = self._queue_state
+        last, running = self._queue_state, len(self.scheduler.running)
         if last is not None and (last.waiting, last.waiting_tokens) == (waiting, tokens):
-            if last.tenant_waiting == tenants:
+            if last.tenant_waiting == tenants and last.running == running:
                 return
-        state = QueueState(waiting, tokens, tenants, rate)
+        state = QueueState(waiting, tokens, tenants, rate, self.config.replica, running)
         self._queue_state = state
         self._out.frontend.extend((f, state) for f in range(n))
 

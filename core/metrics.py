@@ -46,12 +46,41 @@ class IdleWindow:
         return max(0.0, self.idle_s) / total if total > 0 else 0.0
 
 
+class ReplicaSeries:
+    """`gapless_replica_*{replica}`: one engine replica's queues, KV use and device time (the
+    unlabelled series add up, or take the fullest of, every replica's)."""
+
+    def __init__(self, r: CollectorRegistry | None, replica: str) -> None:
+        def gauge(name: str, doc: str) -> Gauge:
+            series = Gauge(name, doc, ["replica"], multiprocess_mode="livemostrecent", registry=r)
+            return series.labels(replica)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, ["replica"], registry=r).labels(replica)
+
+        self.running = gauge("gapless_replica_requests_running", "Requests holding a batch slot")
+        self.waiting = gauge(
+            "gapless_replica_requests_waiting", "Requests queued for a slot (preempted included)"
+        )
+        self.kv_usage = gauge(
+            "gapless_replica_kv_cache_usage_ratio", "Share of the KV cache held by requests"
+        )
+        self.busy = counter("gapless_replica_device_busy_seconds", "Device time running steps")
+        self.idle = counter(
+            "gapless_replica_device_idle_seconds",
+            "Device time idle between steps while requests were waiting or running",
+        )
+
+
 class CoreMetrics:
     """The core's series: stages of a step (the runner's from its StepTiming), device busy and
     idle, queue gauges, and request counts by how they ended."""
 
     def __init__(
-        self, registry: CollectorRegistry | None = None, known_tenants: tuple[str, ...] = ()
+        self,
+        registry: CollectorRegistry | None = None,
+        known_tenants: tuple[str, ...] = (),
+        replica: int = 0,
     ) -> None:
         r = registry
         stage = stage_histogram(r)
@@ -76,11 +105,14 @@ class CoreMetrics:
             "Device time idle between steps while requests were waiting or running",
             registry=r,
         )
-        mode = "livemostrecent"  # only the core sets these
+        # why these modes: with --data-parallel-size every replica's core sets its own value;
+        # counts add up over them, and a share reads as the fullest (or idlest) replica's. The
+        # gapless_replica_* series below tell the replicas apart
+        mode, share = "livesum", "livemax"
         self.idle_fraction = Gauge(
             "gapless_device_idle_fraction",
             f"Idle / (busy + idle) over the steps of the last {IDLE_WINDOW_S:g} s",
-            multiprocess_mode=mode,
+            multiprocess_mode=share,
             registry=r,
         )
         self.running = Gauge(
@@ -102,7 +134,7 @@ class CoreMetrics:
         self.kv_usage = Gauge(
             "gapless_kv_cache_usage_ratio",
             "Share of the KV cache held by requests, 0 to 1 (what inference gateways read)",
-            multiprocess_mode=mode, registry=r,
+            multiprocess_mode=share, registry=r,
         )  # fmt: skip
         self._finished = Counter(
             "gapless_requests_finished",
@@ -138,7 +170,7 @@ class CoreMetrics:
         self.prefix_hit_rate = Gauge(
             "gapless_prefix_cache_hit_rate",
             f"Hit tokens / queried tokens over the admissions of the last {HIT_RATE_WINDOW_S:g} s",
-            multiprocess_mode=mode,
+            multiprocess_mode=share,
             registry=r,
         )
         self.blocks_cached = Gauge(
@@ -159,6 +191,7 @@ class CoreMetrics:
             ["tenant", "kind"],
             registry=r,
         )
+        self.replica = ReplicaSeries(r, str(replica))
         self.decisions = Counter(
             "gapless_scheduler_decisions",
             "Scheduling policy choices: aged (admitted after waiting --priority-aging or longer), "
@@ -236,8 +269,10 @@ class CoreMetrics:
         if busy > 0.0 or idle > 0.0:  # steps without tokens do not count on the device
             self._busy_s, self._idle_s = timeline.busy_s, timeline.idle_s
             self.busy.inc(busy)
+            self.replica.busy.inc(busy)
             if idle > 0.0:
                 self.idle.inc(idle)
+                self.replica.idle.inc(idle)
             self.idle_fraction.set(self._window.add(timing.device_end, busy, idle))
         if num_tokens:
             self.generation_tokens.inc(num_tokens)
@@ -270,7 +305,12 @@ class CoreMetrics:
             return
         last, self._queues = self._queues, now
         if now[2:] != last[2:]:
-            self.kv_usage.set(now[2] / now[3] if now[3] else 0.0)
+            usage = now[2] / now[3] if now[3] else 0.0
+            self.kv_usage.set(usage)
+            self.replica.kv_usage.set(usage)
+        if now[:2] != last[:2]:
+            self.replica.running.set(now[0])
+            self.replica.waiting.set(now[1])
         for gauge, value, old in zip(
             (self.running, self.waiting, self.blocks_used, self.blocks_total),
             now,

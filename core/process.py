@@ -84,10 +84,10 @@ class CoreProcess:
     ) -> None:
         config = core.config
         self.core = core
-        self.inbox: Receiver[CoreInput] = Receiver(ctx, config.ipc(CORE_IN), CoreInput)
+        self.inbox: Receiver[CoreInput] = Receiver(ctx, config.engine_ipc(CORE_IN), CoreInput)
         self.results = results
         self.runner = runner or plan_sender(ctx, config)
-        self.detok: Sender[DetokInput] = Sender(ctx, config.ipc(DETOK_IN), shm=True)
+        self.detok: Sender[DetokInput] = Sender(ctx, config.engine_ipc(DETOK_IN), shm=True)
         self.frontends: list[Sender[FrontendInput]] = [
             Sender(ctx, config.ipc(frontend_socket(i))) for i in range(config.api_servers)
         ]
@@ -112,7 +112,7 @@ class CoreProcess:
             if now - beat_at >= HEARTBEAT_INTERVAL_S:
                 beat_at = now
                 for frontend in self.frontends:
-                    frontend.send(Heartbeat())
+                    frontend.send(Heartbeat(core.config.replica))
                 stats.maybe_log(now)
             # 1. drain inputs without blocking
             for msg in self.inbox.drain():
@@ -147,14 +147,14 @@ def plan_sender(
     """Where plans go: the runner's socket, or one publisher every tensor-parallel rank reads."""
     if config.num_ranks > 1:
         return Publisher(ctx, *plan_endpoints(config))
-    return Sender(ctx, config.ipc(RUNNER_IN), shm=True)
+    return Sender(ctx, config.engine_ipc(RUNNER_IN), shm=True)
 
 
 def run_core(config: EngineConfig) -> None:
     """Process entry of the core: waits for the runner's capacity, then schedules forever."""
     ctx = zmq.Context()
     control = ControlReporter(ctx, config, "core")
-    results: Receiver[RunnerOutput] = Receiver(ctx, config.ipc(RUNNER_OUT), RunnerOutput)
+    results: Receiver[RunnerOutput] = Receiver(ctx, config.engine_ipc(RUNNER_OUT), RunnerOutput)
     runner = plan_sender(ctx, config)
     try:
         ready = None

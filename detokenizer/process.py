@@ -58,11 +58,11 @@ def run_detokenizer(config: EngineConfig) -> None:
 
 def _serve(ctx: zmq.Context, config: EngineConfig, reporter: ControlReporter) -> None:
     state = DetokenizerState(load_tokenizer(config.model), config.api_servers)
-    inbox: Receiver[DetokInput] = Receiver(ctx, config.ipc(DETOK_IN), DetokInput)
+    inbox: Receiver[DetokInput] = Receiver(ctx, config.engine_ipc(DETOK_IN), DetokInput)
     frontends: list[Sender[FrontendInput]] = [
         Sender(ctx, config.ipc(frontend_socket(i))) for i in range(config.api_servers)
     ]
-    core: Sender[CoreInput] = Sender(ctx, config.ipc(CORE_IN))
+    core: Sender[CoreInput] = Sender(ctx, config.engine_ipc(CORE_IN))
     detokenize = DetokenizerMetrics().detokenize
     reporter.ready()
     try:

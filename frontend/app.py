@@ -173,12 +173,16 @@ class App:
             await out.json(200, Health("ok"))
 
     async def _engine_stats(self, req: HttpRequest, out: Responder, caller: Caller) -> None:
-        """The core's queues and KV blocks right now."""
+        """A core's queues and KV blocks right now (replica 0's, or `?replica=K`'s)."""
         _check_admin(caller, req.path)
-        stats = await _from_engine(self.state.engine.get_stats(timeout_s=2.0))
+        query = parse_qs(req.scope.get("query_string", b"").decode("latin-1"))
+        replica = self._replica(query)
+        stats = await _from_engine(self.state.engine.get_stats(timeout_s=2.0, replica=replica))
         await out.json(
             200,
             {
+                "replica": replica,
+                "num_replicas": self.state.engine.num_replicas,
                 "num_running": stats.num_running,
                 "num_waiting": stats.num_waiting,
                 "num_free_blocks": stats.num_free_blocks,
@@ -193,17 +197,31 @@ class App:
             },
         )
 
+    def _replica(self, query: dict[str, list[str]]) -> int:
+        """The `replica` query parameter: which engine replica answers (0 when left out)."""
+        raw = query.get("replica", ["0"])[-1]
+        num = self.state.engine.num_replicas
+        if not raw.isascii() or not raw.isdigit() or int(raw) >= num:
+            raise ApiError(
+                400, f"`replica` must be an integer from 0 to {num - 1}", param="replica"
+            )
+        return int(raw)
+
     async def _engine_timeline(self, req: HttpRequest, out: Responder, caller: Caller) -> None:
-        """The device timeline of the last `last` steps (default 256) and idle totals."""
+        """The device timeline of the last `last` steps (default 256) and idle totals, of
+        replica 0 or `?replica=K`."""
         _check_admin(caller, req.path)
         query = parse_qs(req.scope.get("query_string", b"").decode("latin-1"))
         raw = query.get("last", ["256"])[-1]
         if not raw.isascii() or not raw.isdigit() or int(raw) > KEEP_STEPS:  # not "²"
             raise ApiError(400, f"`last` must be an integer from 0 to {KEEP_STEPS}", param="last")
-        timeline = await _from_engine(self.state.engine.get_timeline(int(raw)))
+        replica = self._replica(query)
+        timeline = await _from_engine(self.state.engine.get_timeline(int(raw), replica=replica))
         await out.json(
             200,
             {
+                "replica": replica,
+                "num_replicas": self.state.engine.num_replicas,
                 "device": timeline.device,
                 "overlap": timeline.overlap,
                 "steps": timeline.steps,

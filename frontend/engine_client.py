@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import zmq
 import zmq.asyncio
+from prometheus_client import Counter
 
 from gapless.common.channel import AsyncReceiver, Sender
 from gapless.common.config import EngineConfig
@@ -35,6 +36,7 @@ from gapless.common.messages import (
 from gapless.common.process import CORE_IN, frontend_socket
 from gapless.frontend.inbox import Inbox, coalesced
 from gapless.frontend.queue_view import QueueView, Ticket
+from gapless.frontend.replicas import ReplicaRouter, routed_counter
 
 log = logging.getLogger("gapless.frontend")
 
@@ -56,22 +58,30 @@ BURST_S = 0.01
 
 
 class EngineClient:
-    """Request bookkeeping over a `send` callable; `dispatch` is fed every FrontendInput.
+    """Request bookkeeping over a `send` callable per engine replica (one, or a list for
+    --data-parallel-size); `dispatch` is fed every FrontendInput.
 
     `add` / `remove` are the contract a RequestStream (and test doubles) rely on.
     """
 
     def __init__(
-        self, frontend_id: int, send: Callable[[CoreInput], None], max_pending: int = 1024
+        self,
+        frontend_id: int,
+        send: Callable[[CoreInput], None] | list[Callable[[CoreInput], None]],
+        max_pending: int = 1024,
+        block_size: int = 16,
+        routed: Counter | None = None,
     ) -> None:
         self.frontend_id = frontend_id
+        self._sends = send if isinstance(send, list) else [send]
+        self.router = ReplicaRouter(len(self._sends), frontend_id, block_size, routed)
+        self._replica_of: dict[str, int] = {}  # engine id -> its replica, while it runs
         # deltas one request may have waiting for its handler before they are joined into one
         # per choice (its handler would join them all the same when it runs)
         self.max_pending = max_pending
         self.queue = QueueView(frontend_id)  # what waits for a seat, for admission control
         self.healthy = True
         self.dead_reason = ""
-        self._send = send
         # engine id -> inbox of (delta, perf_counter when its TextDeltas arrived), DEAD, IDLE
         # or a StreamCut
         self._queues: dict[str, Inbox] = {}
@@ -79,14 +89,19 @@ class EngineClient:
         self._replies: dict[int, asyncio.Future] = {}  # token -> answer of the core
         self._held: list[Inbox] = []  # inboxes holding deltas until flush_held
         self._on_dead: list[Callable[[str], None]] = []
-        self.last_heartbeat = time.monotonic()  # of the core; it was READY before we started
+        # of each replica's core; they were READY before we started
+        self._heartbeats = [time.monotonic()] * len(self._sends)
 
     def next_request_id(self) -> str:
         return f"{self.frontend_id}-{next(self._counter)}"
 
     def core_silent_s(self) -> float:
-        """Seconds since the core's last heartbeat."""
-        return time.monotonic() - self.last_heartbeat
+        """Seconds since the last heartbeat of the core heard from least recently."""
+        return time.monotonic() - min(self._heartbeats)
+
+    @property
+    def num_replicas(self) -> int:
+        return len(self._sends)
 
     def on_dead(self, callback: Callable[[str], None]) -> None:
         self._on_dead.append(callback)
@@ -103,7 +118,9 @@ class EngineClient:
                 for delta in deltas:
                     rid = delta.request_id
                     if unstarted and rid in unstarted:  # its first delta: no longer queued
-                        unstarted.pop(rid).leave(started=bool(delta.token_ids))
+                        ticket = unstarted.pop(rid)
+                        ticket.leave(started=bool(delta.token_ids))
+                        self.router.leave(self._replica_of.get(rid, 0), ticket.num_tokens)
                     inbox = queues.get(rid)
                     if inbox is None:  # the request was aborted here already
                         continue
@@ -118,10 +135,11 @@ class EngineClient:
                         held.append(inbox)
                 if flush:
                     self.flush_held()
-            case QueueState():
+            case QueueState(replica=replica) if 0 <= replica < len(self._sends):
                 self.queue.update(msg)
-            case Heartbeat():
-                self.last_heartbeat = time.monotonic()
+                self.router.update(msg)
+            case Heartbeat(replica=replica) if 0 <= replica < len(self._sends):
+                self._heartbeats[replica] = time.monotonic()
             case EngineDead(reason=reason):
                 self._mark_dead(reason)
             case EngineStats(token=token) | Timeline(token=token):
@@ -175,33 +193,55 @@ class EngineClient:
         for req in requests:
             queues[req.request_id] = inbox
             unstarted[req.request_id] = ticket
+        if len(self._sends) == 1:
+            send = self._sends[0]
+            for req in requests:
+                send(req)
+            return
+        # every choice of a request to one replica: they share the prompt's blocks there
+        replica = self.router.choose(requests[0].block_hashes) if requests else 0
+        send = self._sends[replica]
         for req in requests:
-            self._send(req)
+            self._replica_of[req.request_id] = replica
+            self.router.add(replica, req.block_hashes, len(req.prompt_token_ids))
+            send(req)
 
     def remove(self, request_ids: list[str], running: list[str]) -> None:
-        """No more deltas of request_ids reach their inbox; those still `running` are aborted
-        in the engine, if it is alive."""
-        queues, unstarted = self._queues, self.queue.unstarted
+        """No more deltas of request_ids reach their inbox; those still `running` (some of
+        request_ids) are aborted in the engine, if it is alive."""
+        queues, unstarted, replica_of = self._queues, self.queue.unstarted, self._replica_of
+        replicas: dict[str, int] = {}
         for rid in request_ids:
             queues.pop(rid, None)
-            unstarted.pop(rid, None)
-        if running and self.healthy:
-            self._send(Abort(sorted(running)))
+            replica = replicas[rid] = replica_of.pop(rid, 0)
+            ticket = unstarted.pop(rid, None)
+            if ticket is not None:
+                self.router.leave(replica, ticket.num_tokens)
+        if not running or not self.healthy:
+            return
+        by_replica: dict[int, list[str]] = {}
+        for rid in sorted(running):
+            by_replica.setdefault(replicas.get(rid, 0), []).append(rid)
+        for replica, rids in by_replica.items():
+            self._sends[replica](Abort(rids))
 
-    async def get_stats(self, timeout_s: float = 1.0) -> EngineStats:
-        return await self._ask(lambda token: GetStats(self.frontend_id, token), timeout_s)
+    async def get_stats(self, timeout_s: float = 1.0, replica: int = 0) -> EngineStats:
+        return await self._ask(lambda token: GetStats(self.frontend_id, token), timeout_s, replica)
 
-    async def get_timeline(self, last: int, timeout_s: float = 2.0) -> Timeline:
-        return await self._ask(lambda token: GetTimeline(self.frontend_id, token, last), timeout_s)
+    async def get_timeline(self, last: int, timeout_s: float = 2.0, replica: int = 0) -> Timeline:
+        return await self._ask(
+            lambda token: GetTimeline(self.frontend_id, token, last), timeout_s, replica
+        )
 
-    async def _ask(self, make: Callable[[int], CoreInput], timeout_s: float):
-        """Send one question to the core and wait for the answer carrying the same token."""
+    async def _ask(self, make: Callable[[int], CoreInput], timeout_s: float, replica: int):
+        """Send one question to a replica's core and wait for the answer carrying the same
+        token."""
         if not self.healthy:
             raise EngineDeadError(self.dead_reason)
         token = next(self._counter)
         waiter: asyncio.Future = asyncio.get_running_loop().create_future()
         self._replies[token] = waiter
-        self._send(make(token))
+        self._sends[replica](make(token))
         try:
             return await asyncio.wait_for(waiter, timeout_s)
         finally:
@@ -212,8 +252,16 @@ class ZmqEngineClient(EngineClient):
     """EngineClient over the engine's sockets: PUSH to the core, PULL on our return socket."""
 
     def __init__(self, config: EngineConfig, frontend_id: int, ctx: zmq.Context) -> None:
-        self._sender: Sender[CoreInput] = Sender(ctx, config.ipc(CORE_IN))
-        super().__init__(frontend_id, self._sender.send, config.stream_buffer_events)
+        self._senders: list[Sender[CoreInput]] = [
+            Sender(ctx, config.engine_ipc(CORE_IN, k)) for k in range(config.data_parallel_size)
+        ]
+        super().__init__(
+            frontend_id,
+            [s.send for s in self._senders],
+            config.stream_buffer_events,
+            config.block_size,
+            routed_counter() if config.data_parallel_size > 1 else None,
+        )
         self._actx = zmq.asyncio.Context()
         self._receiver: AsyncReceiver[FrontendInput] = AsyncReceiver(
             self._actx, config.ipc(frontend_socket(frontend_id)), FrontendInput
@@ -264,5 +312,6 @@ class ZmqEngineClient(EngineClient):
             self._listener.cancel()
             await asyncio.gather(self._listener, return_exceptions=True)
         self._receiver.close()
-        self._sender.close()
+        for sender in self._senders:
+            sender.close()
         self._actx.term()

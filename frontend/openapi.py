@@ -337,7 +337,19 @@ def openapi_document(
     steps = {"type": "integer", "minimum": 0, "maximum": KEEP_STEPS}
     last = _parameter("last", "query", steps, "steps to return; absent or empty: 256")
     last["allowEmptyValue"] = True
-    timeline["get"]["parameters"] = [last]
+    top = (config.data_parallel_size if config is not None else 64) - 1
+    replica = _parameter(
+        "replica",
+        "query",
+        {"type": "integer", "minimum": 0, "maximum": top},
+        "which engine replica answers (--data-parallel-size); absent or empty: 0",
+    )
+    replica["allowEmptyValue"] = True
+    timeline["get"]["parameters"] = [last, replica]
+    stats = _plain(
+        "a core's queues and KV blocks (the admin key)", "application/json", 400, 401, 403, 503
+    )
+    stats["get"]["parameters"] = [replica]
     doc = {
         "openapi": "3.1.0",
         "info": {"title": title, "version": version},
@@ -362,13 +374,7 @@ def openapi_document(
                 "DetokenizeRequest", "DetokenizeResponse", "token ids as text", 400, 401, 404
             ),
             "/version": _get("Version", "the server's version", 401),
-            "/v1/engine/stats": _plain(
-                "the core's queues and KV blocks (the admin key)",
-                "application/json",
-                401,
-                403,
-                503,
-            ),
+            "/v1/engine/stats": stats,
             "/v1/engine/timeline": timeline,
             "/metrics": metrics,
             "/health": health,

@@ -91,6 +91,8 @@ class QueueView:
         self._others_tokens = 0
         self._others_tenants: dict[str, int] = {}
         self.core_drain_per_s = 0.0  # seats the core freed per second (every frontend), last 10 s
+        # replica -> (others, their tokens, per tenant, drain per s) from its latest QueueState
+        self._replicas: dict[int, tuple[int, int, dict[str, int], float]] = {}
         self.starts = RateWindow()  # this frontend's requests that started
 
     def take(self, tenant: str, n: int) -> Ticket:
@@ -107,18 +109,31 @@ class QueueView:
                 del self._tenants[tenant]
 
     def update(self, state: QueueState) -> None:
-        """The other frontends' part, from the core's latest QueueState."""
+        """The other frontends' part, from a core's latest QueueState: summed over the engine
+        replicas (--data-parallel-size), each one's latest."""
         me = self.frontend_id
         mine = me < len(state.waiting)
-        self._others = sum(state.waiting) - (state.waiting[me] if mine else 0)
-        self._others_tokens = sum(state.waiting_tokens) - (state.waiting_tokens[me] if mine else 0)
+        num = sum(state.waiting) - (state.waiting[me] if mine else 0)
+        tokens = sum(state.waiting_tokens) - (state.waiting_tokens[me] if mine else 0)
         others: dict[str, int] = {}
         for f, per_tenant in enumerate(state.tenant_waiting):
             if f != me:
                 for tenant, n in per_tenant.items():
                     others[tenant] = others.get(tenant, 0) + n
-        self._others_tenants = others
-        self.core_drain_per_s = state.drain_per_s
+        replicas = self._replicas
+        replicas[state.replica] = (num, tokens, others, state.drain_per_s)
+        if len(replicas) == 1:
+            self._others, self._others_tokens = num, tokens
+            self._others_tenants, self.core_drain_per_s = others, state.drain_per_s
+            return
+        self._others = sum(r[0] for r in replicas.values())
+        self._others_tokens = sum(r[1] for r in replicas.values())
+        total: dict[str, int] = {}
+        for _, _, per_tenant, _ in replicas.values():
+            for tenant, n in per_tenant.items():
+                total[tenant] = total.get(tenant, 0) + n
+        self._others_tenants = total
+        self.core_drain_per_s = sum(r[3] for r in replicas.values())
 
     @property
     def num_queued(self) -> int:

@@ -7,6 +7,7 @@ publication of the previous step's ids.
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any, Protocol
 
 from gapless.common.messages import StepPlan, StepResult
@@ -38,6 +39,17 @@ def make_backend(config, rank: int = 0) -> Backend:
         return SimBackend(config)
     from gapless.gpu_runner.tensor_parallel import init_tensor_parallel
 
+    if config.device == "cuda":
+        import torch
+
+        if torch.cuda.device_count() == 0:
+            where = os.environ.get("CUDA_VISIBLE_DEVICES")
+            raise RuntimeError(
+                f"replica {config.replica} sees no GPU"
+                + (f" (CUDA_VISIBLE_DEVICES={where})" if where is not None else "")
+                + f": --data-parallel-size {config.data_parallel_size} × "
+                f"--tensor-parallel-size {config.tensor_parallel_size} GPUs are needed"
+            )
     tp = init_tensor_parallel(config, rank)
     if config.device == "cpu":
         from gapless.gpu_runner.cpu.backend import CpuBackend

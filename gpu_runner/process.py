@@ -17,6 +17,7 @@ from gapless.common.messages import (
     Shutdown,
     StepRefused,
 )
+from gapless.common.metrics import rank_busy_counter
 from gapless.common.process import (
     RUNNER_IN,
     RUNNER_OUT,
@@ -60,10 +61,10 @@ def run_gpu_runner(config: EngineConfig, rank: int = 0) -> None:
     if config.num_ranks > 1:
         plans = Subscriber(ctx, plan_endpoint(config), RunnerInput)
     else:
-        plans = Receiver(ctx, config.ipc(RUNNER_IN), RunnerInput)
+        plans = Receiver(ctx, config.engine_ipc(RUNNER_IN), RunnerInput)
     results: Sender[RunnerOutput] | _NoResults = _NoResults()
     if rank == 0:
-        results = Sender(ctx, config.ipc(RUNNER_OUT), shm=True)
+        results = Sender(ctx, config.engine_ipc(RUNNER_OUT), shm=True)
     try:
         if config.device == "cpu":
             set_wait_policy(config.cpu_wait)  # why first: torch reads it when it loads
@@ -75,6 +76,7 @@ def run_gpu_runner(config: EngineConfig, rank: int = 0) -> None:
         if rank == 0:  # cuda: the KV cache's bytes, the memory budget, the stages' ms as well
             control.ready(num_kv_blocks=backend.num_blocks, **getattr(backend, "ready_info", {}))
         inflight: deque = deque()
+        busy = rank_busy_counter(config.replica, rank)
         while not stop_requested():
             # 1. launch every plan that is waiting; wait for one no longer than the oldest
             #    step has left, so no plan waits while the device runs and nothing is late
@@ -101,7 +103,13 @@ def run_gpu_runner(config: EngineConfig, rank: int = 0) -> None:
             # 2. publish the oldest step once its ids are on the host
             if inflight and _until_ready(backend, inflight[0]) <= 0:
                 step = inflight.popleft()
-                results.send(step if isinstance(step, StepRefused) else backend.collect(step))
+                if isinstance(step, StepRefused):
+                    results.send(step)
+                    continue
+                out = backend.collect(step)
+                if out.timing is not None:
+                    busy.inc(max(0.0, out.timing.device_end - out.timing.device_start))
+                results.send(out)
     except Exception as e:
         control.fatal(f"{type(e).__name__}: {e}\n{traceback.format_exc()}")
         time.sleep(0.2)

@@ -210,6 +210,12 @@ def check_tensor_parallel(config: EngineConfig) -> None:
         raise ValueError(f"--tensor-parallel-size {size}: {problem}")
 
 
+def check_data_parallel(config: EngineConfig) -> None:
+    """ValueError naming the flag when --data-parallel-size cannot run as asked."""
+    if config.data_parallel_size > 1 and config.nnodes > 1:
+        raise ValueError("--data-parallel-size runs its replicas on one host (not with --nnodes)")
+
+
 def config_from_args(
     args: argparse.Namespace, cls: type[EngineConfig] = EngineConfig
 ) -> EngineConfig:
@@ -245,6 +251,7 @@ def config_from_args(
         **flags,
     )
     check_tensor_parallel(config)
+    check_data_parallel(config)
     size = len(encode_config(config).encode())
     if size > MAX_CONFIG_BYTES:
         raise ValueError(

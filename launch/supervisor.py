@@ -87,12 +87,16 @@ class Supervisor:
         self.procs: dict[str, subprocess.Popen] = {}
         self.stopping = False
 
-    def spawn(self, role: str, *args: str) -> None:
+    def spawn(self, role: str, *args: str, config: EngineConfig | None = None) -> None:
+        """Start one process; `config` is an engine replica's (EngineConfig.replica), named
+        after it (EngineConfig.role_name)."""
+        config = config or self.config
         env = dict(
-            os.environ,
-            **{CONFIG_ENV: encode_config(self.config), MULTIPROC_ENV: self.metrics_dir},
+            os.environ, **{CONFIG_ENV: encode_config(config), MULTIPROC_ENV: self.metrics_dir}
         )
-        name = role if not args else f"{role}{args[0]}"
+        if config.replica and config.device == "cuda":
+            env["CUDA_VISIBLE_DEVICES"] = replica_gpus(config)
+        name = config.role_name(role if not args else f"{role}{args[0]}")
         self.procs[name] = subprocess.Popen(
             [sys.executable, "-m", "gapless.launch.worker", role, *args],
             env=env,
@@ -108,7 +112,7 @@ class Supervisor:
             msg = self.control.recv(timeout_ms=100)
             match msg:
                 case Ready(role=role):
-                    key = next((n for n in pending if n.startswith(role)), None)
+                    key = role if role in pending else None
                     if key:
                         pending.discard(key)
                         ready[key] = msg
@@ -148,10 +152,11 @@ class Supervisor:
     def stop_engine(self, timeout: float = 5.0) -> None:
         # tensor-parallel ranks read only the core's publisher: the core tells them
         runner = (RUNNER_IN,) if self.config.num_ranks == 1 else ()
-        for addr in (CORE_IN, *runner, DETOK_IN):
-            s: Sender = Sender(self.ctx, self.config.ipc(addr))
-            s.send(Shutdown())
-            s.socket.close(linger=200)
+        for replica in range(self.config.data_parallel_size):
+            for addr in (CORE_IN, *runner, DETOK_IN):
+                s: Sender = Sender(self.ctx, self.config.engine_ipc(addr, replica))
+                s.send(Shutdown())
+                s.socket.close(linger=200)
         engine = [p for n, p in self.procs.items() if not n.startswith("frontend")]
         _wait_all(engine, timeout)
 
@@ -183,13 +188,42 @@ def free_port(host: str) -> int:
         return s.getsockname()[1]
 
 
-def spawn_runners(sup: Supervisor) -> None:
+def replica_gpus(config: EngineConfig) -> str:
+    """CUDA_VISIBLE_DEVICES of a replica's processes: the tensor_parallel_size GPUs after the
+    earlier replicas', counted in the caller's CUDA_VISIBLE_DEVICES when it sets one."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    size = config.tensor_parallel_size
+    first = config.replica * size
+    if visible is None:
+        return ",".join(str(i) for i in range(first, first + size))
+    listed = [g for g in visible.split(",") if g.strip()]
+    if len(listed) < first + size:
+        raise EngineFailed(
+            f"--data-parallel-size {config.data_parallel_size} × --tensor-parallel-size "
+            f"{size} needs {config.data_parallel_size * size} GPUs, CUDA_VISIBLE_DEVICES "
+            f"lists {len(listed)}"
+        )
+    return ",".join(listed[first : first + size])
+
+
+def replicas(config: EngineConfig) -> list[EngineConfig]:
+    """Each engine replica's config: its number and, with tensor-parallel ranks, a TCP store
+    of its own (replica 0 keeps --master-port)."""
+    out = [config]
+    for k in range(1, config.data_parallel_size):
+        port = free_port(config.master_addr) if config.num_ranks > 1 else config.master_port
+        out.append(msgspec.structs.replace(config, replica=k, master_port=port))
+    return out
+
+
+def spawn_runners(sup: Supervisor, config: EngineConfig | None = None) -> None:
     """The runner, or one process per tensor-parallel rank of this host (gpu_runner for rank
-    0, gpu_runner1, ...): each watched like every process, any one's death the engine's."""
-    c = sup.config
+    0, gpu_runner1, ...), of one replica: each watched like every process, any one's death
+    the engine's."""
+    c = config or sup.config
     per_host = c.num_ranks // c.nnodes
     for rank in range(c.node_rank * per_host, (c.node_rank + 1) * per_host):
-        sup.spawn("gpu_runner", *([str(rank)] if rank else []))
+        sup.spawn("gpu_runner", *([str(rank)] if rank else []), config=c)
 
 
 def serve_headless(sup: Supervisor) -> int:
@@ -242,10 +276,12 @@ def serve(config: EngineConfig) -> int:
     try:
         _log(f"loading {config.model.path} on {config.device} ...")
         t0 = time.monotonic()
-        spawn_runners(sup)
-        for role in ENGINE_ROLES[1:]:
-            sup.spawn(role)
-        ready = sup.wait_ready(list(ENGINE_ROLES))
+        engines = replicas(config)
+        for replica in engines:
+            spawn_runners(sup, replica)
+            for role in ENGINE_ROLES[1:]:
+                sup.spawn(role, config=replica)
+        ready = sup.wait_ready([r.role_name(role) for r in engines for role in ENGINE_ROLES])
         # block 0 is reserved for padding; report what requests can hold, as /metrics does
         blocks = max(0, ready["core"].info.get("num_kv_blocks", 0) - 1)
         _log(
@@ -254,6 +290,7 @@ def serve(config: EngineConfig) -> int:
             f"{config.block_size} tokens ({blocks * config.block_size} tokens)"
             + device_note(ready["gpu_runner"].info)
             + (f", {n} tensor-parallel ranks" if (n := config.num_ranks) > 1 else "")
+            + (f", {m} replicas" if (m := config.data_parallel_size) > 1 else "")
         )
         for i in range(config.api_servers):
             sup.spawn("frontend", str(i))

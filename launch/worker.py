@@ -66,21 +66,24 @@ def main(argv: list[str]) -> None:
 
 
 def _run(role: str, config, argv: list[str]) -> None:
+    # process titles (15 characters at most): replica k > 0 of --data-parallel-size ends
+    # in .k, its runners are gapless-run{rank}.k
+    k = f".{config.replica}" if config.replica else ""
     if role == "core":
         from gapless.core.process import run_core
 
-        _set_name("gapless-core")
+        _set_name(f"gapless-core{k}")
         run_core(config)
     elif role == "gpu_runner":
         from gapless.gpu_runner.process import run_gpu_runner
 
         rank = int(argv[1]) if len(argv) > 1 else 0  # its tensor-parallel rank
-        _set_name(f"gapless-runner{rank or ''}")
+        _set_name(f"gapless-run{rank}{k}" if k else f"gapless-runner{rank or ''}")
         run_gpu_runner(config, rank)
     elif role == "detokenizer":
         from gapless.detokenizer.process import run_detokenizer
 
-        _set_name("gapless-detok")
+        _set_name(f"gapless-detok{k}")
         run_detokenizer(config)
     elif role == "frontend":
         from gapless.frontend.server import run_frontend

@@ -54,11 +54,13 @@ class CpuBackend:
         """use_graphs (default config.cuda_graph): run decode-only batches padded through the
         graph layer (compiled with --compile); False runs every step eagerly at its own size.
         tp: this rank of a tensor-parallel group; the step is then eager (the compiled layers
-        hold no collectives) and --threads is shared among the ranks of this host."""
+        hold no collectives). --threads is shared among the runners of this host (ranks and
+        replicas)."""
         self.config = config
         self.tp = tp
         self.use_graphs = config.cuda_graph if use_graphs is None else use_graphs
-        ranks_here = config.tensor_parallel_size // config.nnodes  # ranks on this host
+        # runners on this host: the ranks of each --data-parallel-size replica
+        ranks_here = config.tensor_parallel_size // config.nnodes * config.data_parallel_size
         threads = max(1, config.threads // ranks_here)
         torch.set_num_threads(threads)
         self.dtype = DTYPES[resolve_dtype(config.dtype, "cpu")]

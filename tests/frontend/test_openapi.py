@@ -120,8 +120,10 @@ async def test_the_model_route_declares_its_path_parameter(make_config, engine) 
     doc = await _doc(make_config(), engine)
     (param,) = doc["paths"]["/v1/models/{model}"]["get"]["parameters"]
     assert param["name"] == "model" and param["in"] == "path" and param["required"] is True
-    (last,) = doc["paths"]["/v1/engine/timeline"]["get"]["parameters"]
+    last, replica = doc["paths"]["/v1/engine/timeline"]["get"]["parameters"]
     assert last["in"] == "query" and last["schema"]["maximum"] == 8192
+    assert replica["name"] == "replica" and replica["schema"]["maximum"] == 0  # one replica
+    assert doc["paths"]["/v1/engine/stats"]["get"]["parameters"] == [replica]
 
 
 @pytest.mark.parametrize(

@@ -51,6 +51,7 @@ FLAGS = {
     "--max-queued-tokens TOKENS": None,
     "--threads": str(default_threads()),
     "--tensor-parallel-size N, --tp N": "1",
+    "--data-parallel-size M, --dp M": "1",
     "--dist-timeout S": "120.0",
     "--nnodes N": "1",
     "--node-rank": "0",
@@ -407,6 +408,10 @@ def test_tp_is_the_tensor_parallel_size_and_a_split_it_cannot_make_is_refused(mo
     monkeypatch.setattr(model_files, "load_arch", lambda info: arch)
     assert serve_config("--tp", "3").tensor_parallel_size == 3
     assert serve_config("--tensor-parallel-size", "2").tensor_parallel_size == 2
+    assert serve_config("--dp", "3").data_parallel_size == 3
+    for count in ("0", "65"):
+        with pytest.raises(SystemExit):
+            serve_config("--dp", count)
     sim = serve_config("--tp", "4", "--device", "sim")  # the profile's timing at 4 GPUs
     assert sim.tensor_parallel_size == 4 and sim.num_ranks == 1
     refusals = {
@@ -417,6 +422,7 @@ def test_tp_is_the_tensor_parallel_size_and_a_split_it_cannot_make_is_refused(mo
         ("--tp", "2", "--nnodes", "2"): "needs --master-port",
         ("--tp", "2", "--nnodes", "2", "--master-port", "5000", "--node-rank", "1"): "--headless",
         ("--tp", "2", "--headless"): "--headless runs the ranks of a --node-rank above 0",
+        ("--dp", "2", "--tp", "2", "--nnodes", "2", "--master-port", "5000"): "on one host",
     }
     for argv, why in refusals.items():
         with pytest.raises(ValueError, match=why):
