@@ -71,9 +71,32 @@ def format_run(run: dict[str, Any]) -> str:
     if any(v is not None for v in breakdown.values()):
         lines.append(f"{'median per step (ms)' + sim:<40}{'':>20}")
         lines += [f"  {k:<38}{_num(v, 3):>20}" for k, v in breakdown.items()]
+    lines += _replica_lines(run, sim)
     for error, count in (run.get("errors") or {}).items():
         lines.append(f"  failed x{count}: {error[:100]}")
     return "\n".join(lines)
+
+
+def _replica_lines(run: dict[str, Any], sim: str) -> list[str]:
+    """Each engine replica's idle and tokens, each rank's device time and where requests
+    were routed, when the server has more than one of them."""
+    lines = []
+    for r in run.get("replicas") or []:
+        label = f"  replica {r['replica']}: idle{sim}"
+        lines.append(
+            f"{label:<40}{_pct(r['device_idle_fraction']):>20}\n"
+            f"{'    tokens computed / taken from cache':<40}"
+            f"{r['num_tokens']:>11} / {r['num_cached_tokens']:<6}"
+        )
+    ranks = run.get("rank_device_busy_s") or {}
+    if len(ranks) > 1:
+        lines.append(f"{'device busy per replica/rank (s)' + sim:<40}{'':>20}")
+        lines += [f"  {k:<38}{_num(v, 2):>20}" for k, v in ranks.items()]
+    routed = run.get("routed_requests") or {}
+    if routed:
+        lines.append(f"{'requests routed (replica/reason)':<40}{'':>20}")
+        lines += [f"  {k:<38}{v:>20}" for k, v in routed.items()]
+    return lines
 
 
 def ratios(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -21,15 +21,18 @@ FALLBACK_STEPS = 256  # asked for when a server refuses MAX_STEPS
 
 
 async def fetch_timeline(
-    base_url: str, api_key: str | None, last: int, timeout_s: float = 30.0
+    base_url: str, api_key: str | None, last: int, timeout_s: float = 30.0, replica: int = 0
 ) -> dict[str, Any] | None:
-    """The timeline's JSON, or None when the target has none (404, not JSON, unreachable)."""
+    """The timeline's JSON (of one engine replica), or None when the target has none (404,
+    not JSON, unreachable)."""
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    params = {"last": last} | ({"replica": replica} if replica else {})
     try:
         async with httpx.AsyncClient(base_url=base_url, headers=headers, timeout=timeout_s) as c:
-            resp = await c.get("/v1/engine/timeline", params={"last": last})
+            resp = await c.get("/v1/engine/timeline", params=params)
             if resp.status_code == 400 and last > FALLBACK_STEPS:
-                resp = await c.get("/v1/engine/timeline", params={"last": FALLBACK_STEPS})
+                params["last"] = FALLBACK_STEPS
+                resp = await c.get("/v1/engine/timeline", params=params)
     except httpx.HTTPError:
         return None
     if resp.status_code != 200:
@@ -81,6 +84,54 @@ def step_breakdown(steps: list[dict[str, Any]]) -> dict[str, float | None]:
     for key, fld in STAGES.items():
         values = [s[fld] for s in steps if s.get(fld) is not None]
         out[key] = float(np.median(values)) if values else None
+    return out
+
+
+def num_replicas(timeline: dict[str, Any] | None) -> int:
+    """Engine replicas the server runs (--data-parallel-size), 1 when it does not say."""
+    n = (timeline or {}).get("num_replicas", 1)
+    return n if isinstance(n, int) and n >= 1 else 1
+
+
+def replicas_summary(
+    before: list[dict[str, Any] | None], after: list[dict[str, Any] | None]
+) -> dict[str, Any]:
+    """The timeline keys over every replica's steps (the idle fraction is their summed idle
+    over their summed busy + idle), with `replicas`: each one's own idle and tokens."""
+    per = [run_steps(a, last_seq(b)) for b, a in zip(before, after, strict=True)]
+    out = timeline_summary(before[0], after[0])
+    if len(per) == 1 or out["timeline"] is None:
+        return out
+    every = [s for steps in per for s in steps]
+    fraction, busy, idle = idle_fraction(every)
+    steady = steady_decode(every)
+    out.update(
+        device_idle_fraction=fraction,
+        steady_decode_idle_fraction=idle_fraction(steady)[0],
+        steady_decode_step_ms=step_breakdown(steady)["forward"],
+        step_breakdown_ms=step_breakdown(every),
+    )
+    out["timeline"].update(
+        num_steps=len(every),
+        busy_s=busy,
+        idle_s=idle,
+        num_tokens=sum(int(s.get("num_tokens", 0)) for s in every),
+        num_prefill_tokens=sum(int(s.get("num_prefill_tokens", 0)) for s in every),
+        num_cached_tokens=sum(int(s.get("num_cached_tokens", 0)) for s in every),
+    )
+    out["replicas"] = []
+    for k, steps in enumerate(per):
+        fraction, busy, _ = idle_fraction(steps)
+        out["replicas"].append(
+            {
+                "replica": k,
+                "device_idle_fraction": fraction,
+                "busy_s": busy,
+                "num_steps": len(steps),
+                "num_tokens": sum(int(s.get("num_tokens", 0)) for s in steps),
+                "num_cached_tokens": sum(int(s.get("num_cached_tokens", 0)) for s in steps),
+            }
+        )
     return out
 
 

@@ -119,3 +119,39 @@ def test_saved_run_with_dropped_stages():
     text = format_run(run)
     assert "1.500" in text and "8.000" in text
     assert "detokenize" not in text and "stream" not in text
+
+
+def test_replicas_add_up_and_each_is_reported():
+    """--data-parallel-size 2: the idle fraction is over both replicas' steps, each replica has
+    its own, and each rank's device time and the routing come from /metrics' counters."""
+    from gapless.bench.run import counter_deltas
+    from gapless.bench.timeline import num_replicas, replicas_summary
+
+    def timeline(steps):
+        return {"device": "sim:x", "overlap": True, "num_replicas": 2, "steps": steps}
+
+    before = [timeline([step(1, 1.0, 10, 0)]), timeline([])]
+    after = [
+        timeline([step(i, 1.0 + 0.02 * i, 10, 10) for i in range(1, 4)]),  # 2 of the run's
+        timeline([step(i, 1.0 + 0.02 * i, 10, 0, num_cached_tokens=4) for i in range(1, 5)]),
+    ]
+    assert num_replicas(after[0]) == 2 and num_replicas(None) == 1
+    out = replicas_summary(before, after)
+    assert out["device_idle_fraction"] == pytest.approx(20 / 80)
+    assert out["timeline"]["num_steps"] == 6 and out["timeline"]["num_cached_tokens"] == 16
+    one, two = out["replicas"]
+    assert one["device_idle_fraction"] == pytest.approx(0.5) and one["num_steps"] == 2
+    assert two["device_idle_fraction"] == 0.0 and two["num_tokens"] == 32
+    assert replicas_summary(before[:1], after[:1]).get("replicas") is None
+
+    ranks, routed = "gapless_rank_device_busy_seconds_total", "gapless_routed_requests_total"
+    grown = counter_deltas(
+        {(ranks, "0/0"): 1.0, (routed, "0/load"): 2},
+        {(ranks, "0/0"): 3.5, (ranks, "1/0"): 2.0, (routed, "0/load"): 5, (routed, "1/prefix"): 1},
+    )
+    assert grown["rank_device_busy_s"] == {"0/0": 2.5, "1/0": 2.0}
+    assert grown["routed_requests"] == {"0/load": 3, "1/prefix": 1}
+    assert counter_deltas({}, {}) == {"rank_device_busy_s": None, "routed_requests": None}
+
+    text = format_run(run_doc("a", 1.0, 0.1) | out | grown)
+    assert "replica 1: idle (sim)" in text and "0/0" in text and "1/prefix" in text
