@@ -72,3 +72,11 @@ def build_tiny_llama(out: Path, default_gguf: Path, **shape) -> Path:
 def tiny_model_dir(tmp_path_factory, default_gguf) -> Path:
     """A tiny random Llama (head_dim 16) as a Hugging Face directory, with SmolLM2's tokenizer."""
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), default_gguf)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    """Modules holding a test marked slow (servers, the default model) first, each module's
+    tests kept together and in order: on pytest-xdist workers the long tests start early and
+    the short ones fill in at the end, instead of one worker finishing a long test alone."""
+    slow_modules = {item.module for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.module not in slow_modules)
