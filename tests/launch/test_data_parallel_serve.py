@@ -1,6 +1,6 @@
 """`gapless serve --data-parallel-size 2`: requests spread over the replicas, a repeated
 prompt goes back to the replica holding it, each replica answers for itself, both replicas give
-one model's tokens, and one replica's death ends the engine."""
+the same tokens, and one replica's death ends the engine."""
 
 from __future__ import annotations
 
@@ -88,62 +88,54 @@ def test_each_replica_answers_for_itself(dp_server):
     assert param["name"] == "replica" and param["schema"]["maximum"] == 1
 
 
-def test_both_replicas_give_one_runners_tokens(tiny_model_dir):
+def test_both_replicas_give_the_same_tokens(tiny_model_dir):
     """cpu, float32: the same greedy text and logprobs from each replica (short prompts go to
-    them in turn) and from one runner."""
+    them in turn); each replica's runner is the one runner tests/gpu_runner checks against
+    transformers."""
     body = {"model": "tiny", "prompt": "one two three", "max_tokens": 12, "temperature": 0,
             "logprobs": 1}  # fmt: skip
-    args = ("--model", str(tiny_model_dir), "--dtype", "float32", "--served-model-name", "tiny",
-            "--max-model-len", "256")  # fmt: skip
-    answers = []
-    for dp in ("2", "1"):
-        s = Server(*args, "--dp", dp)
-        try:
-            for _ in range(int(dp)):
-                r = httpx.post(s.url + "/v1/completions", json=body, timeout=60).json()
-                answers.append(r["choices"][0])
-            routed = _series(s.url, "gapless_routed_requests_total") if dp == "2" else {}
-        finally:
-            s.stop()
-        if dp == "2":
-            assert {dict(k)["replica"] for k in routed} == {"0", "1"}, routed
-    texts = {a["text"] for a in answers}
-    assert len(texts) == 1, answers
-    ref = answers[-1]["logprobs"]["token_logprobs"]
-    for a in answers[:-1]:
-        for x, y in zip(a["logprobs"]["token_logprobs"], ref, strict=True):
-            assert abs(x - y) <= 1e-4
-
-
-def test_a_replica_that_dies_ends_the_engine(default_gguf):
-    s = Server("--device", "sim", "--model", str(default_gguf), "--dp", "2",
-               "--served-model-name", "m")  # fmt: skip
+    s = Server("--model", str(tiny_model_dir), "--dtype", "float32", "--served-model-name",
+               "tiny", "--max-model-len", "256", "--dp", "2")  # fmt: skip
     try:
-        errors: list[str] = []
-
-        def stream() -> None:
-            body = {"model": "m", "prompt": "go", "max_tokens": 100_000, "ignore_eos": True,
-                    "stream": True}  # fmt: skip
-            try:
-                with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=30) as r:
-                    for line in r.iter_lines():
-                        if '"error"' in line:
-                            errors.append(line)
-            except httpx.HTTPError as e:
-                errors.append(repr(e))
-
-        threads = [threading.Thread(target=stream) for _ in range(4)]
-        for t in threads:
-            t.start()
-        time.sleep(1.0)  # both replicas have streams
-        os.kill(s.child_pids()["gapless-core.1"], signal.SIGKILL)
-        t0 = time.monotonic()
-        code = s.proc.wait(30)
-        took = time.monotonic() - t0
-        for t in threads:
-            t.join(10)
+        answers = [
+            httpx.post(s.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+            for _ in range(2)
+        ]
+        routed = _series(s.url, "gapless_routed_requests_total")
     finally:
         s.stop()
+    assert {dict(k)["replica"] for k in routed} == {"0", "1"}, routed
+    assert answers[0]["text"] == answers[1]["text"], answers
+    for x, y in zip(*(a["logprobs"]["token_logprobs"] for a in answers), strict=True):
+        assert abs(x - y) <= 1e-4
+
+
+def test_a_replica_that_dies_ends_the_engine(dp_server):
+    """The last test of this file: it kills the module's server."""
+    s = dp_server
+    errors: list[str] = []
+
+    def stream() -> None:
+        body = {"model": "m", "prompt": "go", "max_tokens": 100_000, "ignore_eos": True,
+                "stream": True}  # fmt: skip
+        try:
+            with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=30) as r:
+                for line in r.iter_lines():
+                    if '"error"' in line:
+                        errors.append(line)
+        except httpx.HTTPError as e:
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=stream) for _ in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)  # both replicas have streams
+    os.kill(s.child_pids()["gapless-core.1"], signal.SIGKILL)
+    t0 = time.monotonic()
+    code = s.proc.wait(30)
+    took = time.monotonic() - t0
+    for t in threads:
+        t.join(10)
     assert code == 1 and took < 10, (code, took)
     assert len(errors) == 4, errors
     assert "process core.1" in s.read_log()
