@@ -75,7 +75,9 @@ class EngineClient:
         self.frontend_id = frontend_id
         self._sends = send if isinstance(send, list) else [send]
         self.router = ReplicaRouter(len(self._sends), frontend_id, block_size, routed)
-        self._replica_of: dict[str, int] = {}  # engine id -> its replica, while it runs
+        # engine id -> (its replica, its prompt tokens until it starts), while it runs; empty
+        # with one replica
+        self._routed: dict[str, tuple[int, int]] = {}
         # deltas one request may have waiting for its handler before they are joined into one
         # per choice (its handler would join them all the same when it runs)
         self.max_pending = max_pending
@@ -118,9 +120,8 @@ class EngineClient:
                 for delta in deltas:
                     rid = delta.request_id
                     if unstarted and rid in unstarted:  # its first delta: no longer queued
-                        ticket = unstarted.pop(rid)
-                        ticket.leave(started=bool(delta.token_ids))
-                        self.router.leave(self._replica_of.get(rid, 0), ticket.num_tokens)
+                        unstarted.pop(rid).leave(started=bool(delta.token_ids))
+                        self._started(rid)
                     inbox = queues.get(rid)
                     if inbox is None:  # the request was aborted here already
                         continue
@@ -202,21 +203,28 @@ class EngineClient:
         replica = self.router.choose(requests[0].block_hashes) if requests else 0
         send = self._sends[replica]
         for req in requests:
-            self._replica_of[req.request_id] = replica
+            self._routed[req.request_id] = (replica, len(req.prompt_token_ids))
             self.router.add(replica, req.block_hashes, len(req.prompt_token_ids))
             send(req)
+
+    def _started(self, rid: str) -> None:
+        """A request routed to a replica is no longer waiting there."""
+        routed = self._routed.get(rid)
+        if routed is not None and routed[1]:
+            self.router.leave(*routed)
+            self._routed[rid] = (routed[0], 0)
 
     def remove(self, request_ids: list[str], running: list[str]) -> None:
         """No more deltas of request_ids reach their inbox; those still `running` (some of
         request_ids) are aborted in the engine, if it is alive."""
-        queues, unstarted, replica_of = self._queues, self.queue.unstarted, self._replica_of
+        queues, unstarted, routed = self._queues, self.queue.unstarted, self._routed
         replicas: dict[str, int] = {}
         for rid in request_ids:
             queues.pop(rid, None)
-            replica = replicas[rid] = replica_of.pop(rid, 0)
-            ticket = unstarted.pop(rid, None)
-            if ticket is not None:
-                self.router.leave(replica, ticket.num_tokens)
+            unstarted.pop(rid, None)
+            if routed:
+                self._started(rid)
+                replicas[rid] = routed.pop(rid, (0, 0))[0]
         if not running or not self.healthy:
             return
         by_replica: dict[int, list[str]] = {}

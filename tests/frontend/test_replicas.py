@@ -164,3 +164,20 @@ def test_queue_counts_add_up_over_replicas_and_health_hears_each_core() -> None:
     assert client.core_silent_s() < 1
     client.dispatch(Heartbeat(replica=5))  # no such replica: dropped
     assert client.core_silent_s() < 1
+
+
+def test_a_requests_waiting_tokens_leave_its_replica_once_whatever_ends_it() -> None:
+    from gapless.common.messages import TextDelta, TextDeltas
+
+    client = EngineClient(0, [lambda m: None, lambda m: None], block_size=BS)
+    ticket = client.queue.take("t", 2)  # two prompts of different lengths, one choice each
+    ticket.set_prompt(30)
+    inbox = Inbox(_Loop(), 0.0, "x")
+    client.add([_request("p0", list(range(10)))], inbox, ticket)
+    client.add([_request("p1", list(range(20)))], inbox, ticket)
+    assert sorted(client.router._mine) == [10, 20]
+    client.dispatch(TextDeltas([TextDelta("p0", "a", [5], 10, 1)]))  # p0 started
+    client.dispatch(TextDeltas([TextDelta("p0", "b", [6], 10, 2)]))
+    assert sorted(client.router._mine) == [0, 20]
+    client.remove(["p0", "p1"], running=["p0", "p1"])  # p1 ended before it started
+    assert client.router._mine == [0, 0] and not client._routed
