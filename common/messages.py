@@ -363,7 +363,6 @@ class QueueState(_Msg):
     tenant_waiting: list[dict[str, int]]  # requests per tenant (tenants with none left out)
     drain_per_s: float  # seats freed per second (requests that ended or were preempted), last 10 s
     replica: int = 0  # whose core (--data-parallel-size)
-    running: int = 0  # requests holding a seat there: how frontends break ties between replicas
 
 
 QUEUE_STATE_INTERVAL_S = 0.02

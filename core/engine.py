@@ -283,11 +283,11 @@ class EngineCore:
         # why freed, not given: a fill of idle seats gives many and says nothing of the drain
         rate = sum(k for _, k in freed) / DRAIN_WINDOW_S
         self.metrics.observe_tenants(tenants, priorities, self.scheduler)
-        last, running = self._queue_state, len(self.scheduler.running)
+        last = self._queue_state
         if last is not None and (last.waiting, last.waiting_tokens) == (waiting, tokens):
-            if last.tenant_waiting == tenants and last.running == running:
+            if last.tenant_waiting == tenants:
                 return
-        state = QueueState(waiting, tokens, tenants, rate, self.config.replica, running)
+        state = QueueState(waiting, tokens, tenants, rate, self.config.replica)
         self._queue_state = state
         self._out.frontend.extend((f, state) for f in range(n))
 

@@ -222,9 +222,10 @@ class EngineClient:
         for rid in request_ids:
             queues.pop(rid, None)
             unstarted.pop(rid, None)
-            if routed:
+            if routed and rid in routed:
                 self._started(rid)
-                replicas[rid] = routed.pop(rid, (0, 0))[0]
+                replica = replicas[rid] = routed.pop(rid)[0]
+                self.router.ended(replica)
         if not running or not self.healthy:
             return
         by_replica: dict[int, list[str]] = {}

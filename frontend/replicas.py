@@ -2,12 +2,13 @@
 
 A request goes to the replica with the least work before it: the prompt tokens waiting there,
 less the prefix of this prompt that replica holds in its cache; on a tie, the one holding more
-of it, then the one with fewer running requests, then the next in turn. The waiting tokens are this frontend's own, exact (what it sent
-there that has not started), plus the other frontends' from that replica's latest QueueState.
-What a replica holds is what this frontend sent it: the block hashes of the prompts it routed
-there (AddRequest.block_hashes, named in the request's cache scope, so one tenant's prompts
-never steer another's), the most recent MAX_BLOCKS per replica. The replica may have evicted
-some since; then the request computes them, as it would anywhere.
+of it, then the one with fewer of this frontend's requests in flight, then the next in turn.
+The waiting tokens are this frontend's own, exact (what it sent there that has not started),
+plus the other frontends' from that replica's latest QueueState. What a replica holds is what
+this frontend sent it: the block hashes of the prompts it routed there (AddRequest.block_hashes,
+named in the request's cache scope, so one tenant's prompts never steer another's), the most
+recent MAX_BLOCKS per replica. The replica may have evicted some since; then the request
+computes them, as it would anywhere.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ class ReplicaRouter:
         self.block_size = block_size
         self._mine = [0] * num_replicas  # prompt tokens sent there, not started
         self._others = [0] * num_replicas  # the other frontends' waiting tokens there
-        self._running = [0] * num_replicas
+        self._inflight = [0] * num_replicas  # requests sent there, not yet ended
         self._held: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in range(num_replicas)]
         self._turn = 0
         self._routed = routed
@@ -60,7 +61,7 @@ class ReplicaRouter:
         for i in range(n):
             r = (self._turn + i) % n
             cached = self._held_tokens(r, hashes)
-            key = (self._mine[r] + self._others[r] - cached, -cached, self._running[r])
+            key = (self._mine[r] + self._others[r] - cached, -cached, self._inflight[r])
             if best_key is None or key < best_key:
                 best, best_key, best_cached = r, key, cached
         self._turn = (self._turn + 1) % n
@@ -78,6 +79,7 @@ class ReplicaRouter:
 
     def add(self, replica: int, hashes: list[bytes], num_tokens: int) -> None:
         """An engine request of num_tokens prompt tokens went to `replica`."""
+        self._inflight[replica] += 1
         self._mine[replica] += num_tokens
         held = self._held[replica]
         for h in hashes:
@@ -92,6 +94,10 @@ class ReplicaRouter:
         """One engine request sent there started, or ended before it did."""
         self._mine[replica] = max(0, self._mine[replica] - num_tokens)
 
+    def ended(self, replica: int) -> None:
+        """An engine request sent there ended (leave() first if it never started)."""
+        self._inflight[replica] = max(0, self._inflight[replica] - 1)
+
     def update(self, state: QueueState) -> None:
         r = state.replica
         if not 0 <= r < self.num_replicas:
@@ -99,4 +105,3 @@ class ReplicaRouter:
         me = self.frontend_id
         tokens = state.waiting_tokens
         self._others[r] = sum(tokens) - (tokens[me] if me < len(tokens) else 0)
-        self._running[r] = state.running

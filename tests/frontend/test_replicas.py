@@ -22,10 +22,8 @@ def _hashes(tokens: list[int], scope: str = "") -> list[bytes]:
     return chain_hashes(hash_root("model", scope), tokens, BS)
 
 
-def _state(replica: int, tokens: list[int], running: int = 0) -> QueueState:
-    return QueueState(
-        [0] * len(tokens), tokens, [{} for _ in tokens], 0.0, replica=replica, running=running
-    )
+def _state(replica: int, tokens: list[int]) -> QueueState:
+    return QueueState([0] * len(tokens), tokens, [{} for _ in tokens], 0.0, replica=replica)
 
 
 def test_a_request_goes_where_fewest_tokens_wait() -> None:
@@ -39,12 +37,19 @@ def test_a_request_goes_where_fewest_tokens_wait() -> None:
     assert r.choose([]) == 0
 
 
-def test_ties_go_to_fewest_running_then_in_turn() -> None:
+def test_ties_go_to_fewest_in_flight_then_in_turn() -> None:
     r = ReplicaRouter(2, frontend_id=0, block_size=BS)
     picks = [r.choose([]) for _ in range(4)]
     assert picks == [0, 1, 0, 1]  # an idle pair takes turns
-    r.update(_state(0, [0], running=5))
+    for _ in range(3):  # three started on replica 0 and run on
+        r.add(0, [], 8)
+        r.leave(0, 8)
     assert [r.choose([]) for _ in range(3)] == [1, 1, 1]
+    for _ in range(3):
+        r.ended(0)
+    r.add(1, [], 8)
+    r.leave(1, 8)
+    assert r.choose([]) == 0
 
 
 def test_the_other_frontends_waiting_tokens_count_but_not_this_ones() -> None:
@@ -181,3 +186,4 @@ def test_a_requests_waiting_tokens_leave_its_replica_once_whatever_ends_it() -> 
     assert sorted(client.router._mine) == [0, 20]
     client.remove(["p0", "p1"], running=["p0", "p1"])  # p1 ended before it started
     assert client.router._mine == [0, 0] and not client._routed
+    assert client.router._inflight == [0, 0]
