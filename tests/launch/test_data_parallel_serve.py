@@ -80,9 +80,11 @@ def test_each_replica_answers_for_itself(dp_server):
         timeline = httpx.get(url + "/v1/engine/timeline", params={"replica": k, "last": 4},
                              timeout=10).json()  # fmt: skip
         assert timeline["replica"] == k and timeline["device"].startswith("sim")
-    for bad in ("2", "-1", "x"):
+    for bad in ("2", "-1", "x", "9" * 5000):
         r = httpx.get(url + "/v1/engine/stats", params={"replica": bad}, timeout=10)
         assert r.status_code == 400 and r.json()["error"]["param"] == "replica"
+    r = httpx.get(url + "/v1/engine/timeline", params={"last": "9" * 5000}, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "last"
     spec = httpx.get(url + "/openapi.json", timeout=10).json()
     (param,) = [p for p in spec["paths"]["/v1/engine/stats"]["get"]["parameters"]]
     assert param["name"] == "replica" and param["schema"]["maximum"] == 1
