@@ -60,6 +60,7 @@ def format_run(run: dict[str, Any]) -> str:
     title = f" {run['target']} | {run['workload']} "
     lines = [f"{title:=^60}"]
     lines += [f"{k:<40}{v:>20}" for k, v in rows]
+    lines += _replica_lines(run, sim)
     lines.append(f"{'latency (ms)':<20}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}")
     for label, key in LATENCIES:
         d = run[key]
@@ -71,7 +72,6 @@ def format_run(run: dict[str, Any]) -> str:
     if any(v is not None for v in breakdown.values()):
         lines.append(f"{'median per step (ms)' + sim:<40}{'':>20}")
         lines += [f"  {k:<38}{_num(v, 3):>20}" for k, v in breakdown.items()]
-    lines += _replica_lines(run, sim)
     for error, count in (run.get("errors") or {}).items():
         lines.append(f"  failed x{count}: {error[:100]}")
     return "\n".join(lines)
@@ -82,12 +82,10 @@ def _replica_lines(run: dict[str, Any], sim: str) -> list[str]:
     were routed, when the server has more than one of them."""
     lines = []
     for r in run.get("replicas") or []:
-        label = f"  replica {r['replica']}: idle{sim}"
-        lines.append(
-            f"{label:<40}{_pct(r['device_idle_fraction']):>20}\n"
-            f"{'    tokens computed / taken from cache':<40}"
-            f"{r['num_tokens']:>11} / {r['num_cached_tokens']:<6}"
-        )
+        label = f"Replica {r['replica']}: device idle{sim}"
+        lines.append(f"{label:<40}{_pct(r['device_idle_fraction']):>20}")
+        tokens = f"{r['num_tokens']} / {r['num_cached_tokens']}"
+        lines.append(f"{'  tokens computed / taken from cache':<40}{tokens:>20}")
     ranks = run.get("rank_device_busy_s") or {}
     if len(ranks) > 1:
         lines.append(f"{'device busy per replica/rank (s)' + sim:<40}{'':>20}")

@@ -288,9 +288,9 @@ def serve(config: EngineConfig) -> int:
             f"engine ready in {time.monotonic() - t0:.1f}s: {config.model.architecture}, "
             f"{blocks} KV blocks of "
             f"{config.block_size} tokens ({blocks * config.block_size} tokens)"
+            + (f" in each of {m} replicas" if (m := config.data_parallel_size) > 1 else "")
             + device_note(ready["gpu_runner"].info)
             + (f", {n} tensor-parallel ranks" if (n := config.num_ranks) > 1 else "")
-            + (f", {m} replicas" if (m := config.data_parallel_size) > 1 else "")
         )
         for i in range(config.api_servers):
             sup.spawn("frontend", str(i))

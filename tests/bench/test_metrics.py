@@ -154,4 +154,4 @@ def test_replicas_add_up_and_each_is_reported():
     assert counter_deltas({}, {}) == {"rank_device_busy_s": None, "routed_requests": None}
 
     text = format_run(run_doc("a", 1.0, 0.1) | out | grown)
-    assert "replica 1: idle (sim)" in text and "0/0" in text and "1/prefix" in text
+    assert "Replica 1: device idle (sim)" in text and "0/0" in text and "1/prefix" in text
