@@ -110,6 +110,7 @@ def test_bench_launches_and_stops_gapless(tiny_model_dir, tmp_path, capsys):
                 "--model", str(tiny_model_dir),
                 "--dtype", "float32",
                 "--max-num-seqs", "2",
+                "--no-compile",  # as tests/server.py serves: a compile would cost each run seconds
             ]
         )  # fmt: skip
     assert exc.value.code == 0, capsys.readouterr()
@@ -135,6 +136,7 @@ def test_bench_tenants_against_launched_gapless(tiny_model_dir, tmp_path, capsys
                 "--model", str(tiny_model_dir),
                 "--dtype", "float32",
                 "--max-num-seqs", "2",
+                "--no-compile",  # as tests/server.py serves: a compile would cost each run seconds
             ]
         )  # fmt: skip
     assert exc.value.code == 0, capsys.readouterr()
