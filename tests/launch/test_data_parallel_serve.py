@@ -90,23 +90,29 @@ def test_each_replica_answers_for_itself(dp_server):
     assert param["name"] == "replica" and param["schema"]["maximum"] == 1
 
 
-def test_both_replicas_give_the_same_tokens(tiny_model_dir):
-    """cpu, float32: the same greedy text and logprobs from each replica (short prompts go to
-    them in turn); each replica's runner is the one runner tests/gpu_runner checks against
-    transformers."""
+def test_both_replicas_of_two_ranks_give_the_same_tokens(tiny_model_dir):
+    """cpu, float32, `--dp 2 --tp 2` (four gloo ranks, two groups): the same greedy text and
+    logprobs from each replica (short prompts go to them in turn); a TP=2 runner is checked
+    against one runner in tests/gpu_runner/test_tensor_parallel.py."""
     body = {"model": "tiny", "prompt": "one two three", "max_tokens": 12, "temperature": 0,
             "logprobs": 1}  # fmt: skip
     s = Server("--model", str(tiny_model_dir), "--dtype", "float32", "--served-model-name",
-               "tiny", "--max-model-len", "256", "--dp", "2")  # fmt: skip
+               "tiny", "--max-model-len", "256", "--dp", "2", "--tp", "2")  # fmt: skip
     try:
         answers = [
             httpx.post(s.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
             for _ in range(2)
         ]
         routed = _series(s.url, "gapless_routed_requests_total")
+        ranks = _series(s.url, "gapless_rank_device_busy_seconds_total")
+        names = s.child_pids()
     finally:
         s.stop()
     assert {dict(k)["replica"] for k in routed} == {"0", "1"}, routed
+    assert sorted(dict(k)["replica"] + dict(k)["rank"] for k in ranks) == ["00", "01", "10", "11"]
+    assert all(v > 0 for v in ranks.values()), ranks
+    for title in ("gapless-runner", "gapless-runner1", "gapless-run0.1", "gapless-run1.1"):
+        assert title in names, names
     assert answers[0]["text"] == answers[1]["text"], answers
     for x, y in zip(*(a["logprobs"]["token_logprobs"] for a in answers), strict=True):
         assert abs(x - y) <= 1e-4
