@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -43,7 +44,16 @@ def servers(default_gguf):
     common = ("--model", str(default_gguf), "--device", "sim", "--sim-profile", "h100-llama3-8b")
     # tenant H weighs 2 (test_weights_over_http); the other tests' tenants weigh 1
     weights = {"fcfs": (), "fair": ("--tenant-weight", "H=2")}
-    started = {p: Server(*common, "--scheduling-policy", p, *weights[p]) for p in weights}
+    with ThreadPoolExecutor(len(weights)) as pool:  # why: the two start side by side
+        futures = {
+            p: pool.submit(Server, *common, "--scheduling-policy", p, *weights[p]) for p in weights
+        }
+    failed = [f.exception() for f in futures.values() if f.exception() is not None]
+    started = {p: f.result() for p, f in futures.items() if f.exception() is None}
+    if failed:  # the other one stops too
+        for s in started.values():
+            s.stop()
+        raise failed[0]
     yield started
     for s in started.values():
         s.stop()
