@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup model serve test bench soak lint clean gpu-bundle
+.PHONY: setup model serve test fairness-http bench soak lint clean gpu-bundle
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
@@ -23,11 +23,15 @@ model: setup
 serve: model
 	$(VENV)/bin/gapless serve $(ARGS)
 
-# the suite on two pytest-xdist workers, then the tests marked serial alone (tests/suite.sh);
-# TEST_WORKERS=0 runs the first phase in one process
+# the suite on two pytest-xdist workers (tests/suite.sh); TEST_WORKERS=0 runs it in one process
 TEST_WORKERS ?= 2
 test: model
 	bash tests/suite.sh $(PY) $(TEST_WORKERS) $(PYTEST_ARGS)
+
+# tenant fairness measured over HTTP from the client's side, alone on a quiet machine (the
+# scheduler's fairness is in `make test`, in process)
+fairness-http: model
+	$(PY) -m pytest -m serial $(PYTEST_ARGS)
 
 bench: model
 	$(PY) -m pytest tests -k bench --benchmark-enable --benchmark-only $(PYTEST_ARGS)

@@ -12,9 +12,10 @@ import pytest
 from gapless.bench.cli import main
 from tests.server import Server
 
-# why serial: the shares are read off client-side times, which other tests' load skews. A
-# returning tenant and a tenant alone are checked in process (tests/core/test_fairness.py),
-# their HTTP runs being the suite's longest (bench/RESULTS.md, "tenants: fcfs vs fair", has them)
+# why serial: the shares are read off client-side times, which other tests' load skews, so
+# `make fairness-http` runs them alone on a quiet machine and `make test` does not;
+# tests/core/test_fairness.py checks the same scenarios in process, a returning tenant and a
+# tenant alone too (bench/RESULTS.md, "tenants: fcfs vs fair", has them over HTTP)
 pytestmark = [pytest.mark.slow, pytest.mark.serial]
 
 
