@@ -199,26 +199,16 @@ class App:
 
     def _replica(self, query: dict[str, list[str]]) -> int:
         """The `replica` query parameter: which engine replica answers (0 when left out)."""
-        raw = query.get("replica", ["0"])[-1]
-        num = self.state.engine.num_replicas
-        # why the length first: int() of thousands of digits is slow, then refused
-        if len(raw) > 3 or not raw.isascii() or not raw.isdigit() or int(raw) >= num:
-            raise ApiError(
-                400, f"`replica` must be an integer from 0 to {num - 1}", param="replica"
-            )
-        return int(raw)
+        return _query_int(query, "replica", 0, self.state.engine.num_replicas - 1, digits=3)
 
     async def _engine_timeline(self, req: HttpRequest, out: Responder, caller: Caller) -> None:
         """The device timeline of the last `last` steps (default 256) and idle totals, of
         replica 0 or `?replica=K`."""
         _check_admin(caller, req.path)
         query = parse_qs(req.scope.get("query_string", b"").decode("latin-1"))
-        raw = query.get("last", ["256"])[-1]
-        # ascii digits (not "²"), and few of them before int() reads them
-        if len(raw) > 6 or not raw.isascii() or not raw.isdigit() or int(raw) > KEEP_STEPS:
-            raise ApiError(400, f"`last` must be an integer from 0 to {KEEP_STEPS}", param="last")
+        last = _query_int(query, "last", 256, KEEP_STEPS, digits=6)
         replica = self._replica(query)
-        timeline = await _from_engine(self.state.engine.get_timeline(int(raw), replica=replica))
+        timeline = await _from_engine(self.state.engine.get_timeline(last, replica=replica))
         await out.json(
             200,
             {
@@ -243,6 +233,16 @@ class App:
 
     async def _openapi_json(self, req: HttpRequest, out: Responder, caller: Caller) -> None:
         await out.json(200, self._openapi)
+
+
+def _query_int(query: dict[str, list[str]], name: str, default: int, top: int, digits: int) -> int:
+    """A query parameter that is an integer from 0 to top (default when left out); a 400
+    naming it otherwise."""
+    raw = query.get(name, [str(default)])[-1]
+    # ascii digits (not "²"), at most `digits` of them before int() reads them
+    if len(raw) > digits or not raw.isascii() or not raw.isdigit() or int(raw) > top:
+        raise ApiError(400, f"`{name}` must be an integer from 0 to {top}", param=name)
+    return int(raw)
 
 
 def _access_line(req: HttpRequest, out: Responder, duration_s: float) -> None:
