@@ -239,7 +239,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             description="engine replicas on this host, each a core, a detokenizer and its "
             "runner(s) (--tensor-parallel-size of them) with a copy of the model and its own KV "
             "cache, behind the same frontends; a request goes to the replica with the fewest "
-            "tokens to compute before it (queued prompts and KV in use, less the prefix of its "
+            "tokens to compute before it (prompt tokens waiting there, less the prefix of its "
             "prompt the replica holds); on cuda, replica k's ranks use the GPUs after replica "
             "k-1's",
             ge=1,

@@ -81,22 +81,26 @@ def child_setup(role: str) -> EngineConfig:
     global _parent_pid
     config = decode_config(os.environ[CONFIG_ENV])
     _parent_pid = os.getppid()
-    name = ROLE_NAMES.get(role, role)
-    if not role.startswith("frontend"):  # the frontends serve every replica
-        name = config.role_name(name)
-    setup_logging(config.log_level, config.log_format, name)
+    setup_logging(
+        config.log_level, config.log_format, _speaks_as(config, ROLE_NAMES.get(role, role))
+    )
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: _stop.set())
     return config
 
 
+def _speaks_as(config: EngineConfig, role: str) -> str:
+    """How a process names itself in logs and to the supervisor: an engine process as its
+    replica's (EngineConfig.role_name); a frontend serves every replica."""
+    return role if role.startswith("frontend") else config.role_name(role)
+
+
 class ControlReporter:
     """Sends READY and FATAL to the supervisor's control socket."""
 
     def __init__(self, ctx: zmq.Context, config: EngineConfig, role: str) -> None:
-        # an engine process speaks as its replica's (EngineConfig.role_name)
-        self.role = role if role.startswith("frontend") else config.role_name(role)
+        self.role = _speaks_as(config, role)
         self._sender: Sender[ControlMessage] = Sender(ctx, config.ipc(CONTROL))
 
     def ready(self, **info: int) -> None:

@@ -222,10 +222,12 @@ class EngineClient:
         for rid in request_ids:
             queues.pop(rid, None)
             unstarted.pop(rid, None)
-            if routed and rid in routed:
-                self._started(rid)
-                replica = replicas[rid] = routed.pop(rid)[0]
+            if rid in routed:
+                replica, waiting = routed.pop(rid)
+                if waiting:  # it ended before it started
+                    self.router.leave(replica, waiting)
                 self.router.ended(replica)
+                replicas[rid] = replica
         if not running or not self.healthy:
             return
         by_replica: dict[int, list[str]] = {}

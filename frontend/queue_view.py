@@ -122,10 +122,6 @@ class QueueView:
                     others[tenant] = others.get(tenant, 0) + n
         replicas = self._replicas
         replicas[state.replica] = (num, tokens, others, state.drain_per_s)
-        if len(replicas) == 1:
-            self._others, self._others_tokens = num, tokens
-            self._others_tenants, self.core_drain_per_s = others, state.drain_per_s
-            return
         self._others = sum(r[0] for r in replicas.values())
         self._others_tokens = sum(r[1] for r in replicas.values())
         total: dict[str, int] = {}
