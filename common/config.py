@@ -195,6 +195,16 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             extra={"flag": "priority-aging"},
         ),
     ] = 30.0
+    stall_timeout_s: Annotated[
+        float,
+        msgspec.Meta(
+            description='answer /health with 503 "stalled" once the runner (or any '
+            "tensor-parallel rank) owes a step's result for this many seconds, or 8 times the "
+            "slowest of the last 64 steps if that is longer, while requests wait on it",
+            gt=0,
+            extra={"flag": "stall-timeout", "metavar": "S"},
+        ),
+    ] = 5.0
     max_queue_wait_s: Annotated[
         float | None,
         msgspec.Meta(

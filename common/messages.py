@@ -291,9 +291,12 @@ class EngineDead(_Msg):
 
 class Heartbeat(_Msg):
     """The core's busy loop is turning: sent to every frontend every HEARTBEAT_INTERVAL_S.
-    A frontend that hears none for HEARTBEAT_TIMEOUT_S answers /health with 503."""
+    A frontend that hears none for HEARTBEAT_TIMEOUT_S answers /health with 503, and so does
+    one whose last heartbeat says the runner is stalled (core/stall.py)."""
 
     replica: int = 0  # whose core (--data-parallel-size)
+    stalled_s: float = 0.0  # how long a step's result has been owed, once past the stall bound
+    usual_s: float = 0.0  # the slowest of the recent steps' results, for the message
 
 
 HEARTBEAT_INTERVAL_S = 0.5

@@ -42,6 +42,7 @@ from gapless.core.metrics import CoreMetrics
 from gapless.core.policy import make_policy
 from gapless.core.request import Request
 from gapless.core.scheduler import ScheduledStep, Scheduler, StepOutput
+from gapless.core.stall import StallWatch
 from gapless.core.timeline import DeviceTimeline
 
 log = logging.getLogger("gapless.core")
@@ -101,6 +102,7 @@ class EngineCore:
             window=config.model.kv_window,
         )
         self.inflight: deque[ScheduledStep] = deque()
+        self.stall = StallWatch(config.stall_timeout_s)
         self.timeline = DeviceTimeline(config)
         self.metrics = metrics or CoreMetrics(
             known_tenants=tuple(config.tenants), replica=config.replica
@@ -123,6 +125,27 @@ class EngineCore:
     @property
     def has_work(self) -> bool:
         return bool(self.inflight) or self.scheduler.has_work
+
+    def overdue_s(self, now: float) -> float:
+        """How long the oldest step's result has been owed, once past the stall bound (0.0
+        while the runner keeps up); the first call past the bound logs and counts it."""
+        stalls = self.stall.stalls
+        overdue = self.stall.overdue_s(now)
+        if self.stall.stalls > stalls:
+            self.metrics.stalls.inc()
+            step = self.inflight[0].plan.seq if self.inflight else -1
+            log.warning(
+                "the runner has owed step %d's result for %.1f s (the slowest of the recent "
+                "steps took %.3f s): stalled",
+                step, overdue, self.stall.usual_s,
+            )  # fmt: skip
+        return overdue
+
+    def _result_came(self) -> None:
+        """The oldest step in flight was just taken off: the runner answered."""
+        lasted = self.stall.result(time.monotonic(), more=bool(self.inflight))
+        if lasted:
+            log.warning("the runner answered again after %.1f s", lasted)
 
     def is_inflight(self, seq: int) -> bool:
         """Whether step seq was planned and its result has not been applied."""
@@ -300,6 +323,8 @@ class EngineCore:
                 return
             step.plan_sent = time.perf_counter()
             step.schedule_s = step.plan_sent - t0
+            if not self.inflight:
+                self.stall.owed(time.monotonic())
             self._out.plans.append(step.plan)
             self.inflight.append(step)
             if step.plan.freed_slots:
@@ -334,6 +359,7 @@ class EngineCore:
         """End every request the oldest step samples or scores, then apply it with a filler
         result: their ids are dropped as any finished request's are."""
         step = self.inflight.popleft()
+        self._result_came()
         for req in [*step.sampled, *step.scorers.values()]:
             self._end(req, "error", why)
         filler = StepResult(seq=step.plan.seq, token_ids=[0] * len(step.sampled))
@@ -342,6 +368,7 @@ class EngineCore:
     def _apply(self, result: StepResult) -> StepOutput:
         t0 = time.perf_counter()
         step = self.inflight.popleft()
+        self._result_came()
         out = self.scheduler.update_from_output(step, result)
         done = time.perf_counter()
         apply_s = done - t0

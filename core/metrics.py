@@ -143,6 +143,11 @@ class CoreMetrics:
             registry=r,
         )
         self.finished = {reason: self._finished.labels(reason) for reason in FINISH_REASONS}
+        self.stalls = Counter(
+            "gapless_engine_stalls",
+            "Times a step's result was owed past the stall bound (--stall-timeout)",
+            registry=r,
+        )
         self.preemptions = Counter(
             "gapless_preemptions", "Running requests preempted for KV blocks", registry=r
         )

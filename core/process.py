@@ -111,8 +111,9 @@ class CoreProcess:
             now = time.monotonic()
             if now - beat_at >= HEARTBEAT_INTERVAL_S:
                 beat_at = now
+                beat = Heartbeat(core.config.replica, core.overdue_s(now), core.stall.usual_s)
                 for frontend in self.frontends:
-                    frontend.send(Heartbeat(core.config.replica))
+                    frontend.send(beat)
                 stats.maybe_log(now)
             # 1. drain inputs without blocking
             for msg in self.inbox.drain():

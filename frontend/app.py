@@ -167,6 +167,8 @@ class App:
         elif silent_s > HEARTBEAT_TIMEOUT_S:
             reason = f"the engine core has not answered for {silent_s:.1f} s"
             await out.json(503, Health("unresponsive", reason))
+        elif stalled := engine.stalled():
+            await out.json(503, Health("stalled", stalled))
         elif self.state.admission.draining:
             await out.json(503, Health("draining", "shutting down; in-flight requests finish"))
         else:

@@ -93,6 +93,8 @@ class EngineClient:
         self._on_dead: list[Callable[[str], None]] = []
         # of each replica's core; they were READY before we started
         self._heartbeats = [time.monotonic()] * len(self._sends)
+        # of each replica's last heartbeat: (seconds a step's result is overdue, usual seconds)
+        self._stalls = [(0.0, 0.0)] * len(self._sends)
 
     def next_request_id(self) -> str:
         return f"{self.frontend_id}-{next(self._counter)}"
@@ -100,6 +102,19 @@ class EngineClient:
     def core_silent_s(self) -> float:
         """Seconds since the last heartbeat of the core heard from least recently."""
         return time.monotonic() - min(self._heartbeats)
+
+    def stalled(self) -> str:
+        """Why the engine makes no progress though its cores turn ('' while it does): the
+        replica whose runner owes a step's result the longest, by its core's last heartbeat."""
+        overdue, replica = max((s[0], r) for r, s in enumerate(self._stalls))
+        if overdue <= 0.0:
+            return ""
+        usual = self._stalls[replica][1]
+        who = f"replica {replica}'s runner" if len(self._sends) > 1 else "the runner"
+        return (
+            f"{who} has owed a step's result for {overdue:.1f} s "
+            f"(the slowest of its recent steps took {usual:.3f} s)"
+        )
 
     @property
     def num_replicas(self) -> int:
@@ -141,6 +156,7 @@ class EngineClient:
                 self.router.update(msg)
             case Heartbeat(replica=replica) if 0 <= replica < len(self._sends):
                 self._heartbeats[replica] = time.monotonic()
+                self._stalls[replica] = (msg.stalled_s, msg.usual_s)
             case EngineDead(reason=reason):
                 self._mark_dead(reason)
             case EngineStats(token=token) | Timeline(token=token):

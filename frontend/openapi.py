@@ -319,7 +319,7 @@ def openapi_document(
         _request_rules(components, config)
     health = _get("Health", "200 while the engine is alive, else 503", 503)
     health["get"]["responses"]["503"] = {  # why: the same body, saying why it is not ok
-        "description": "dead, unresponsive or draining",
+        "description": "dead, unresponsive, stalled or draining",
         "content": {"application/json": {"schema": _ref("Health")}},
     }
     metrics = _plain("Prometheus text format", "text/plain", 401)

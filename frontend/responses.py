@@ -158,7 +158,9 @@ class ModelList(msgspec.Struct, kw_only=True):
 
 
 class Health(msgspec.Struct):
-    status: str  # "ok", "draining" (SIGTERM came), "unresponsive" (no core heartbeat) or "dead"
+    # "ok", "draining" (SIGTERM came), "unresponsive" (no core heartbeat), "stalled" (the
+    # runner owes a step's result past the stall bound) or "dead"
+    status: str
     reason: str | None = None
 
 

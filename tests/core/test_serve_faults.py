@@ -110,25 +110,66 @@ def test_each_request_is_counted_once_per_finish(default_gguf) -> None:
         assert s.stop() == 0, s.read_log()
 
 
-def test_health_reflects_a_stopped_core(default_gguf) -> None:
-    s = _serve(default_gguf)
-    core = s.child_pids()["gapless-core"]
+def _health_turns(server: Server, status: int, within_s: float) -> httpx.Response:
+    """Polls /health until it answers `status`; fails after within_s."""
+    start = time.monotonic()
+    while (r := httpx.get(server.url + "/health", timeout=2)).status_code != status:
+        waited = time.monotonic() - start
+        assert waited < within_s, f"/health not {status} after {waited:.1f} s: {r.text}"
+        time.sleep(0.1)
+    return r
+
+
+def test_health_reflects_a_stopped_core_and_a_stopped_runner(default_gguf) -> None:
+    """A stopped core is 503 unresponsive within its 3 s heartbeat bound; a runner stopped
+    under load is 503 stalled within --stall-timeout (1 s here, sim steps being ms) and half a
+    second's heartbeat; both 200 again after SIGCONT, and the streams complete. Margins: 5 s."""
+    s = Server("--model", str(default_gguf), "--device", "sim", "--served-model-name", "sim",
+               "--stall-timeout", "1")  # fmt: skip
+    pids = s.child_pids()
+    core, runner = pids["gapless-core"], pids["gapless-runner"]
     try:
         assert httpx.get(s.url + "/health", timeout=2).status_code == 200
         os.kill(core, signal.SIGSTOP)
-        stopped_at = time.monotonic()
-        while (r := httpx.get(s.url + "/health", timeout=2)).status_code == 200:
-            assert time.monotonic() - stopped_at < 5, "/health still 200 5 s after SIGSTOP"
-            time.sleep(0.1)
-        assert r.status_code == 503 and r.json()["status"] == "unresponsive", r.text
+        r = _health_turns(s, 503, 3.0 + 5.0)
+        assert r.json()["status"] == "unresponsive", r.text
         os.kill(core, signal.SIGCONT)
-        deadline = time.monotonic() + 5
-        while httpx.get(s.url + "/health", timeout=2).status_code != 200:
-            assert time.monotonic() < deadline, "/health did not recover after SIGCONT"
-            time.sleep(0.1)
+        _health_turns(s, 200, 5.0)
+
+        body = {**LONG, "max_tokens": 300}
+        streams = [_collect(s, body) for _ in range(8)]
+        os.kill(runner, signal.SIGSTOP)
+        r = _health_turns(s, 503, 1.0 + 0.5 + 5.0)
+        assert r.json()["status"] == "stalled", r.text
+        assert "owed a step's result" in r.json()["reason"], r.text
+        os.kill(runner, signal.SIGCONT)
+        _health_turns(s, 200, 5.0)
+        for thread, events in streams:
+            thread.join(60)
+            assert events[-1] == "data: [DONE]", events[-3:]
+            assert not any('"error"' in e for e in events), [e for e in events if "error" in e]
+            text = "".join(json.loads(e[6:])["choices"][0]["text"] for e in events[:-1] if e)
+            assert text, events[:3]
+        stalls = _samples(s, "gapless_engine_stalls_total")
+        assert sum(stalls.values()) == 1, stalls
+        assert any("stalled" in line for line in s.log), "the stall is logged"
     finally:
         os.kill(core, signal.SIGCONT)
+        os.kill(runner, signal.SIGCONT)
         assert s.stop() == 0, s.read_log()
+
+
+def _collect(server: Server, body: dict) -> tuple[threading.Thread, list[str]]:
+    """Streams `body` in a thread until it has begun; the thread ends with the stream."""
+    events: list[str] = []
+
+    def run() -> None:
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+            events.extend(line for line in r.iter_lines() if line)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, events
 
 
 def test_killed_supervisor_ends_streams_and_leaves_nothing(default_gguf) -> None:

@@ -152,6 +152,17 @@ def test_health_says_503_when_the_core_goes_silent(front: Front) -> None:
     assert httpx.get(front.url + "/health", timeout=2).status_code == 200
 
 
+def test_health_says_503_stalled_while_the_core_says_a_result_is_overdue(front: Front) -> None:
+    front.to_front.send(Heartbeat(stalled_s=7.5, usual_s=0.012))
+    time.sleep(0.2)
+    r = httpx.get(front.url + "/health", timeout=2)
+    assert r.status_code == 503 and r.json()["status"] == "stalled", r.text
+    assert "7.5 s" in r.json()["reason"] and "0.012 s" in r.json()["reason"], r.text
+    front.to_front.send(Heartbeat())  # results came again
+    time.sleep(0.2)
+    assert httpx.get(front.url + "/health", timeout=2).status_code == 200
+
+
 @pytest.mark.parametrize("front", [{"launcher": True}], indirect=True)
 def test_supervisor_death_ends_streams_and_the_frontend(front: Front, run_dir: Path) -> None:
     thread, lines, ended = front.stream({"prompt": "hello", "max_tokens": 50, "stream": True})

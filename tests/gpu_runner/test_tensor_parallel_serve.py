@@ -1,5 +1,5 @@
-"""TP=2 `gapless serve` on the cpu device (gloo): the openai client, a rank killed under load,
-and two hosts on loopback (two commands) serving one runner's tokens."""
+"""TP=2 `gapless serve` on the cpu device (gloo): the openai client, a rank stopped and one
+killed under load, and two hosts on loopback (two commands) serving one runner's tokens."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ LONG = {"model": "tiny", "prompt": "count with me", "max_tokens": 1500, "ignore_
 def tp_server(tiny_model_dir) -> Iterator[Server]:
     """`gapless serve --tp 2` on the tiny Llama; the last test of this file kills a rank."""
     s = Server("--model", str(tiny_model_dir), "--dtype", "float32", "--served-model-name",
-               "tiny", "--max-model-len", "2048", "--tp", "2")  # fmt: skip
+               "tiny", "--max-model-len", "2048", "--tp", "2", "--stall-timeout", "1")  # fmt: skip
     yield s
     s.stop()
 
@@ -59,6 +59,45 @@ def test_a_tp2_server_answers_the_openai_client(tp_server):
     ))  # fmt: skip
     assert chunks[-1].usage.completion_tokens == 5
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_a_stopped_rank_is_a_stall_until_it_goes_on(tp_server):
+    """Rank 1 stopped under load holds rank 0 in its collective: /health is 503 stalled within
+    --stall-timeout (1 s; the tiny model's steps are ms) and a heartbeat, far before
+    --dist-timeout (120 s); after SIGCONT 200 again and every stream completes. Margins: 5 s."""
+    s = tp_server
+    rank1 = s.child_pids()["gapless-runner1"]
+    body = {**LONG, "max_tokens": 200}
+    streams: list[list[str]] = [[] for _ in range(3)]
+
+    def stream(events: list[str]) -> None:
+        with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=60) as r:
+            events.extend(line for line in r.iter_lines() if line)
+
+    threads = [threading.Thread(target=stream, args=(events,)) for events in streams]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while not all(len(events) >= 2 for events in streams):
+        assert time.monotonic() < deadline, "the streams did not start"
+        time.sleep(0.01)
+    os.kill(rank1, signal.SIGSTOP)
+    try:
+        stopped_at = time.monotonic()
+        while (r := httpx.get(s.url + "/health", timeout=2)).status_code == 200:
+            assert time.monotonic() - stopped_at < 1.5 + 5, "/health 200 with a rank stopped"
+            time.sleep(0.1)
+        assert r.status_code == 503 and r.json()["status"] == "stalled", r.text
+    finally:
+        os.kill(rank1, signal.SIGCONT)
+    resumed_at = time.monotonic()
+    while (r := httpx.get(s.url + "/health", timeout=2)).status_code != 200:
+        assert time.monotonic() - resumed_at < 5, r.text
+        time.sleep(0.1)
+    for t, events in zip(threads, streams, strict=True):
+        t.join(60)
+        assert events[-1] == "data: [DONE]", events[-3:]
+        assert not any('"error"' in e for e in events), events[-3:]
 
 
 def test_a_killed_rank_ends_every_stream_and_the_engine(tp_server):

@@ -46,6 +46,7 @@ FLAGS = {
     "--scheduling-policy {fair,priority,fcfs}": "fair",
     "--fair-output-weight": "2.0",
     "--priority-aging": "30.0",
+    "--stall-timeout S": "5.0",
     "--max-queue-wait S": None,
     "--max-queued-requests N": None,
     "--max-queued-tokens TOKENS": None,
