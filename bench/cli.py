@@ -8,6 +8,7 @@ bench --launch --workload prefix:1024:32-128:64 --workload chat:32:4:64:64:1 -- 
 bench plot --from a.json b.json --plot-dir figs
 bench host-floor --batches 64,256 --plot-dir figs   (the shortest sim step the host keeps fed)
 bench sse-ceiling --streams 256 --api-servers 1,2   (tokens/s the frontends deliver, engine no limit)
+bench connections --idle 20000 --slowloris 100 --launch -- --device sim   (held sockets beside a client)
 """
 
 from __future__ import annotations
@@ -201,6 +202,10 @@ def main(argv: list[str] | None = None) -> None:
 
         sse_ceiling_main(argv[1:])
         return
+    if argv[:1] == ["connections"]:
+        from gapless.bench.connections import main as connections_main
+
+        sys.exit(connections_main(argv[1:]))
     if argv[:1] == ["plot"]:
         args = build_plot_parser().parse_args(argv[1:])
         from gapless.bench.figures import plot_saved

@@ -7,7 +7,11 @@ Kinds, taken in turn by each hostile worker:
 - `long_prompt`: a 3 MB text prompt: refused before tokenizing;
 - `bad_json`: a truncated body and a 2,000-deep array: refused with a 400;
 - `non_reader`: a stream whose client never reads, its receive buffer small: the server must cut
-  it within its write timeout and end it with an error event.
+  it within its write timeout and end it with an error event;
+- `idle`: a connection that sends nothing: closed without a word at the server's
+  --header-timeout;
+- `slowloris`: a request head sent a byte every SLOW_DRIP_S: a 408 and closed at
+  --header-timeout.
 """
 
 from __future__ import annotations
@@ -21,9 +25,11 @@ from dataclasses import dataclass, field
 
 import httpx
 
-KINDS = ("schema", "long_prompt", "bad_json", "non_reader")
+KINDS = ("schema", "long_prompt", "bad_json", "non_reader", "idle", "slowloris")
 LONG_PROMPT_CHARS = 3 * 2**20
 RCVBUF_BYTES = 4096  # the never-reading client's socket buffer: what it "holds" of the stream
+SLOW_DRIP_S = 2.0  # a slowloris head's seconds between bytes
+HOLD_LIMIT_S = 120.0  # how long an idle or slowloris connection waits to be closed
 
 
 @dataclass
@@ -32,6 +38,7 @@ class HostileTally:
 
     outcomes: dict[str, Counter] = field(default_factory=lambda: {k: Counter() for k in KINDS})
     cut_s: list[float] = field(default_factory=list)  # non_reader: request sent to its cut seen
+    held_s: list[float] = field(default_factory=list)  # idle, slowloris: open to closed
 
     def add(self, kind: str, outcome: str) -> None:
         self.outcomes[kind][outcome] += 1
@@ -41,6 +48,7 @@ class HostileTally:
         return {
             "outcomes": {k: dict(v) for k, v in self.outcomes.items()},
             "non_reader_seen_cut_by_s": round(cut[-1], 2) if cut else None,
+            "idle_and_slowloris_closed_by_s": round(max(self.held_s), 2) if self.held_s else None,
         }
 
     def refused(self) -> int:
@@ -79,6 +87,45 @@ async def _bad_json(client: httpx.AsyncClient, model: str, i: int) -> str:
         "/v1/completions", content=raw, headers={"content-type": "application/json"}
     )
     return str(r.status_code)
+
+
+async def held_connection(
+    host: str, port: int, drip_s: float | None, limit_s: float = HOLD_LIMIT_S
+) -> tuple[str, float]:
+    """A connection that sends nothing (drip_s None) or a request head a byte every drip_s,
+    until the server closes it or limit_s pass: `closed_silently`, `closed_408` (or the
+    status it wrote), `still_open` or `connect_failed`, and the seconds it was open."""
+    loop = asyncio.get_running_loop()
+    sock = socket.socket()
+    sock.setblocking(False)
+    try:
+        await loop.sock_connect(sock, (host, port))
+    except OSError:
+        sock.close()
+        return "connect_failed", 0.0
+    opened, got = time.monotonic(), b""
+    head = iter(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\nx-slow: " + b"a" * 10**6)
+    try:
+        while True:
+            if time.monotonic() - opened > limit_s:
+                return "still_open", time.monotonic() - opened
+            if drip_s is not None:
+                await loop.sock_sendall(sock, bytes([next(head)]))
+            try:
+                data = await asyncio.wait_for(loop.sock_recv(sock, 4096), drip_s or 1.0)
+            except asyncio.TimeoutError:
+                continue
+            got += data
+            if not data:
+                break
+    except (ConnectionResetError, BrokenPipeError):
+        pass
+    finally:
+        sock.close()
+    took = time.monotonic() - opened
+    if not got:
+        return "closed_silently", took
+    return "closed_" + (got[9:12].decode("latin-1") if got.startswith(b"HTTP/") else "?"), took
 
 
 async def non_reader(
@@ -150,6 +197,10 @@ async def hostile_worker(
                     outcome, took = await non_reader(host, int(port), model, hold_s)
                     if outcome.startswith("cut"):
                         tally.cut_s.append(took)
+                elif kind in ("idle", "slowloris"):
+                    drip = SLOW_DRIP_S if kind == "slowloris" else None
+                    outcome, took = await held_connection(host, int(port), drip)
+                    tally.held_s.append(took)
                 else:
                     send = {"schema": _schema, "long_prompt": _long_prompt, "bad_json": _bad_json}
                     outcome = await send[kind](client, model, i)

@@ -302,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         proc.wait()
     s, k = report["soak"], report["kill"]
     hostile_ok = all(
-        set(outcomes) <= {"400", "413", "429", "cut", "cut_unread"}
+        set(outcomes) <= {"400", "413", "429", "cut", "cut_unread", "closed_silently", "closed_408"}
         for outcomes in s["hostile"]["outcomes"].values()
     )
     ok = (

@@ -463,6 +463,57 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             extra={"metavar": "FILE"},
         ),
     ] = None
+    # connections (README, "Connections"): a head's and a body's bounds are Apache
+    # mod_reqtimeout's defaults
+    header_timeout_s: Annotated[
+        float,
+        msgspec.Meta(
+            description="seconds a new connection has to send a whole request head, and a "
+            "keep-alive connection from the first byte of its next one; past it the connection "
+            "is closed (408 if part of a head came)",
+            gt=0,
+            extra={"flag": "header-timeout", "metavar": "S"},
+        ),
+    ] = 20.0
+    body_timeout_s: Annotated[
+        float,
+        msgspec.Meta(
+            description="seconds a request body may take after its head, plus one second for "
+            "every --body-min-rate bytes received; past it a 408 and the connection is closed",
+            gt=0,
+            extra={"flag": "body-timeout", "metavar": "S"},
+        ),
+    ] = 20.0
+    body_min_rate: Annotated[
+        int,
+        msgspec.Meta(
+            description="bytes per second a request body must keep up, once --body-timeout "
+            "has passed",
+            ge=1,
+            extra={"metavar": "BYTES"},
+        ),
+    ] = 500
+    keep_alive_timeout_s: Annotated[
+        float,
+        msgspec.Meta(
+            description="seconds an idle keep-alive connection stays open after its last "
+            "response: longer than clients keep one for reuse (httpx and the openai client 5 s, "
+            "aiohttp 15 s, Go 90 s), so that no client sends a request on a connection the "
+            "server is closing",
+            gt=0,
+            extra={"flag": "keep-alive-timeout", "metavar": "S"},
+        ),
+    ] = 120.0
+    max_connections: Annotated[
+        Annotated[int, msgspec.Meta(ge=1)] | None,
+        msgspec.Meta(
+            description="open connections per frontend; past it the longest-idle keep-alive "
+            "connection is closed for a new one, or, with none idle, a new connection may ask "
+            "/health or /metrics and gets 503 for anything else; unset: half the process's "
+            "file descriptor limit",
+            extra={"metavar": "N"},
+        ),
+    ] = None
     max_body_bytes: Annotated[int, NOT_A_FLAG] = 4 * 2**20
     max_head_bytes: Annotated[int, NOT_A_FLAG] = 64 * 2**10  # request line + headers; 431 past it
     max_stop_strings: Annotated[int, NOT_A_FLAG] = 16

@@ -13,7 +13,7 @@ import time
 from collections.abc import Iterator
 
 import numpy as np
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
@@ -31,6 +31,8 @@ STAGES = (
     "stream",
 )
 FINISH_REASONS = ("stop", "length", "abort", "error")
+# why the server closed or refused a connection (frontend/http.py)
+CONNECTION_CLOSES = ("header_timeout", "body_timeout", "idle_evicted", "over_capacity")
 # s; 10 us to 10 s, ~2.5x apart
 STAGE_BUCKETS = (
     1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1, 0.25,
@@ -245,6 +247,19 @@ class FrontendMetrics:
             ["reason"],
             registry=r,
         )
+        self.connections_closed = Counter(
+            "gapless_connections_closed",
+            "Connections the server closed or refused: header_timeout, body_timeout, "
+            "idle_evicted (at --max-connections, for a new one), over_capacity (503)",
+            ["reason"],
+            registry=r,
+        )
+        for reason in CONNECTION_CLOSES:  # exported at 0 before the first
+            self.connections_closed.labels(reason)
+        self.connections = Gauge(
+            "gapless_connections_open", "HTTP connections open, over every frontend",
+            multiprocess_mode="livesum", registry=r,
+        )  # fmt: skip
         self.slow_clients = Counter(
             "gapless_slow_clients",
             "Streams aborted because the client stopped reading: buffer (too many events "

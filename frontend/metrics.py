@@ -42,6 +42,12 @@ class RequestObserver:
     def slow_client(self, reason: str) -> None:
         """A stream aborted because its client stopped reading: "buffer" or "write_timeout"."""
 
+    def connection_closed(self, reason: str) -> None:
+        """The server closed or refused a connection (common.metrics.CONNECTION_CLOSES)."""
+
+    def connections(self, delta: int) -> None:
+        """A connection opened (+1) or closed (-1)."""
+
 
 class PrometheusObserver(RequestObserver):
     def __init__(self, series: FrontendMetrics | None = None) -> None:
@@ -82,6 +88,12 @@ class PrometheusObserver(RequestObserver):
 
     def slow_client(self, reason: str) -> None:
         self.series.slow_clients.labels(reason).inc()
+
+    def connection_closed(self, reason: str) -> None:
+        self.series.connections_closed.labels(reason).inc()
+
+    def connections(self, delta: int) -> None:
+        self.series.connections.inc(delta)
 
 
 observer = RequestObserver()

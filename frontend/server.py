@@ -24,7 +24,7 @@ from gapless.frontend import metrics
 from gapless.frontend.admission import Admission
 from gapless.frontend.app import App
 from gapless.frontend.engine_client import ZmqEngineClient
-from gapless.frontend.http import head_limited
+from gapless.frontend.http import bounded_protocol
 from gapless.frontend.prompts import Prompter
 from gapless.frontend.state import FrontendState
 from gapless.frontend.structured import Grammars
@@ -161,7 +161,8 @@ async def serve(
         uvicorn.Config(
             app,
             loop="uvloop",
-            http=head_limited(config.max_head_bytes),
+            http=bounded_protocol(config),
+            timeout_keep_alive=config.keep_alive_timeout_s,  # type: ignore[arg-type]
             lifespan="off",
             # why the grace: our own cut at drain_timeout_s ends the streams with an error
             # event; uvicorn's cancel, past this, would end them with nothing

@@ -22,7 +22,7 @@ from gapless.common.metrics import FrontendMetrics
 from gapless.frontend import metrics
 from gapless.frontend.admission import Admission
 from gapless.frontend.app import App
-from gapless.frontend.http import head_limited
+from gapless.frontend.http import bounded_protocol
 from gapless.frontend.prompts import Prompter
 from gapless.frontend.state import FrontendState
 from tests.frontend.fake_engine import FakeEngine
@@ -124,7 +124,8 @@ def served(config: EngineConfig, engine: FakeEngine, send_buffer: int = 0) -> It
     server = uvicorn.Server(
         uvicorn.Config(
             build_app(config, engine),
-            http=head_limited(config.max_head_bytes),
+            http=bounded_protocol(config),
+            timeout_keep_alive=config.keep_alive_timeout_s,  # type: ignore[arg-type]
             lifespan="off",
             log_level="critical",
         )

@@ -33,7 +33,7 @@ from gapless.frontend import metrics
 from gapless.frontend.admission import Admission
 from gapless.frontend.app import App
 from gapless.frontend.engine_client import EngineClient
-from gapless.frontend.http import head_limited
+from gapless.frontend.http import bounded_protocol
 from gapless.frontend.prompts import Prompter
 from gapless.frontend.state import FrontendState
 
@@ -106,7 +106,7 @@ class LiveStreams:
         loop = asyncio.get_running_loop()
         uv_config = uvicorn.Config(
             self.app,
-            http=head_limited(self.config.max_head_bytes),
+            http=bounded_protocol(self.config),
             lifespan="off",
             log_level="critical",
         )

@@ -264,16 +264,18 @@ pytestmark = pytest.mark.anyio
 
 
 async def test_keepalive_comments_while_a_request_waits(make_config, engine) -> None:
+    """A comment every 0.1 s while the engine holds the first token for 1 s: at least one
+    comes on any machine (a loaded one runs the timers late, never out of order)."""
     config = make_config(sse_keepalive_s=0.1)
     engine.hold = asyncio.Event()
     app = build_app(config, engine)
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
-        asyncio.get_running_loop().call_later(0.5, engine.hold.set)
+        asyncio.get_running_loop().call_later(1.0, engine.hold.set)
         r = await client.post(
             "/v1/completions", json={"prompt": "hi there", "max_tokens": 2, "stream": True}
         )
     blocks = [b for b in r.text.split("\n\n") if b]
     first_data = next(i for i, b in enumerate(blocks) if b.startswith("data: "))
-    assert first_data >= 3 and all(b == ": keep-alive" for b in blocks[:first_data]), blocks
+    assert first_data >= 1 and all(b == ": keep-alive" for b in blocks[:first_data]), blocks
     assert blocks[-1] == "data: [DONE]"
