@@ -442,7 +442,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         int,
         msgspec.Meta(
             description="processes per frontend that compile response_format and tool schemas "
-            "(compiles at once; a tenant gets at most half of them)",
+            "(compiles at once; a tenant gets at most half of them, and a tenant with none "
+            "running may stop another's long compile)",
             ge=1,
             extra={"metavar": "N"},
         ),

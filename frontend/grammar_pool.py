@@ -5,11 +5,18 @@ thread that talks to it over pipes, so a compile never holds a thread that chat 
 tokenizing need. A compile that passes its deadline, or its worker's memory cap, ends with that
 worker killed and a fresh one spawned; the request gets a verdict saying why.
 
-Caps: at most `workers` compiles run at once, and one tenant runs at most half of them (at least
-one), so one tenant's runaway schemas leave the others a worker. A compile waits for a worker at
-most `timeout_s`, and at most MAX_WAITING_PER_WORKER per worker wait; past either, `Busy` (the
-frontend answers 429). Workers start on first use, or all at once with `warm()`; `close()`
-kills them.
+Fair between tenants, however many: at most `workers` compiles run at once and one tenant runs
+at most half of them (at least one); a free worker goes to the waiting tenant with the fewest
+compiles running, then to the one served least recently, not first come first served. At most
+MAX_WAITING_PER_WORKER per worker wait, and a tenant's share of those places is the total over
+the tenants running or waiting; a tenant with nothing waiting always finds a place (the newest
+place of the tenant holding the most is taken for it). A tenant with nothing running that waits
+while every worker runs a compile of a tenant above its fair share of workers takes the worker
+whose compile has run longest, once that compile has run PREEMPT_AFTER_S: the stopped compile
+ends with `Busy` (429, retry), the worker is replaced, and the waiting tenant compiles next. So
+any number of tenants' runaway schemas leave a new tenant a worker within about PREEMPT_AFTER_S
+and a worker's start. A compile waits for a worker at most `timeout_s`; past it, `Busy`.
+Workers start on first use, or all at once with `warm()`; `close()` kills them.
 """
 
 from __future__ import annotations
@@ -37,6 +44,8 @@ from gapless.frontend.grammar_worker import HEADER, WorkerInit, write_frame
 log = logging.getLogger("gapless.frontend")
 
 MAX_WAITING_PER_WORKER = 8
+PREEMPT_AFTER_S = 0.5  # s a compile runs before a tenant with nothing running may stop it
+MAX_SERVED_KEPT = 4096  # tenants whose last service time is kept past their last compile
 STARTUP_TIMEOUT_S = 60.0  # a worker imports llguidance and builds its tokenizer view
 _TIMED_OUT = object()
 _WARM = object()
@@ -67,6 +76,9 @@ class _Slot:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # the process, between this slot's thread and close()
         self.closed = False
+        self._preempted = False  # the compile in flight was stopped for another tenant
+        # time.monotonic() its worker got the grammar in flight (None: idle or starting)
+        self.compiling_since: float | None = None
 
     @property
     def pid(self) -> int | None:
@@ -80,6 +92,13 @@ class _Slot:
 
     def warm(self) -> None:
         self._put(_WARM)
+
+    def preempt(self) -> None:
+        """Stops the compile in flight (it ends with Busy); the worker is replaced."""
+        with self._lock:
+            self._preempted = True
+            if self._proc is not None:
+                _kill(self._proc)
 
     def close(self) -> None:
         """Kills the worker (a compile in flight ends at once) and ends the thread."""
@@ -120,19 +139,28 @@ class _Slot:
             log.warning("%s: %s", self._name, exc)
 
     def _compile(self, grammar: str) -> str:
+        with self._lock:
+            self._preempted = False
         proc = self._worker()
         assert proc.stdin is not None and proc.stdout is not None
         try:
             write_frame(proc.stdin.fileno(), grammar.encode())
+            self.compiling_since = time.monotonic()
         except OSError:
             reply: object = None  # it died between compiles: say so below
         else:
             reply = _read_reply(proc.stdout.fileno(), time.monotonic() + self._timeout_s)
+        finally:
+            self.compiling_since = None
         if isinstance(reply, bytes):
             return reply.decode()
         status = self._discard()
         if self.closed:
             raise Unavailable("the server is shutting down")
+        if self._preempted:
+            log.info("%s: a compile stopped for a tenant with none running", self._name)
+            raise Busy("grammar compiles are busy: this compile ran long and was stopped for "
+                       "another tenant's", max(1, math.ceil(self._timeout_s)))  # fmt: skip
         if reply is _TIMED_OUT:
             log.warning("%s: a compile ran past %g s; worker killed", self._name, self._timeout_s)
             return f"it did not compile within {self._timeout_s:g} s"
@@ -221,7 +249,12 @@ class GrammarPool:
         self._slots = [_Slot(frame, timeout_s, memory_mib, i) for i in range(workers)]
         self._free = list(self._slots)
         self._running: dict[str, int] = {}  # tenant -> compiles it runs now
-        self._waiting: deque[tuple[str, asyncio.Future[_Slot]]] = deque()
+        self._held: dict[_Slot, str] = {}  # slot -> the tenant whose compile it runs
+        # tenant -> its waiting compiles, oldest first
+        self._waiting: dict[str, deque[asyncio.Future[_Slot]]] = {}
+        self._num_waiting = 0
+        self._served_at: dict[str, float] = {}  # tenant -> when it last got a worker
+        self._recheck: asyncio.TimerHandle | None = None
         self.closed = False
 
     @property
@@ -237,10 +270,14 @@ class GrammarPool:
         self.closed = True
         for slot in self._slots:
             slot.close()
-        for _, waiter in self._waiting:
-            if not waiter.done():
-                waiter.set_exception(Unavailable("the server is shutting down"))
+        for line in self._waiting.values():
+            for waiter in line:
+                if not waiter.done():
+                    waiter.set_exception(Unavailable("the server is shutting down"))
         self._waiting.clear()
+        self._num_waiting = 0
+        if self._recheck is not None:
+            self._recheck.cancel()
 
     async def compile(self, grammar: str, tenant: str) -> str:
         slot = await self._acquire(tenant)
@@ -258,12 +295,8 @@ class GrammarPool:
         if self.closed:
             raise Unavailable("the server is shutting down")
         waiter: asyncio.Future[_Slot] = asyncio.get_running_loop().create_future()
-        entry = (tenant, waiter)
-        self._waiting.append(entry)
+        self._queue(tenant, waiter)
         self._dispatch()
-        if not waiter.done() and len(self._waiting) > self.max_waiting:
-            self._waiting.remove(entry)
-            raise self._busy(f"{len(self._waiting)} grammar compiles wait already")
         try:
             return await asyncio.wait_for(asyncio.shield(waiter), self.timeout_s)
         except BaseException as exc:
@@ -271,30 +304,102 @@ class GrammarPool:
                 self._release(waiter.result(), tenant)  # a worker came as this gave up
             elif not waiter.done():
                 waiter.cancel()
-                if entry in self._waiting:
-                    self._waiting.remove(entry)
+                self._unqueue(tenant, waiter)
             if isinstance(exc, TimeoutError):
                 raise self._busy(
                     f"no grammar worker was free within {self.timeout_s:g} s"
                 ) from None
             raise
 
+    def _queue(self, tenant: str, waiter: asyncio.Future[_Slot]) -> None:
+        """A place in line for `tenant`, within its share of the places; Busy without one."""
+        line = self._waiting.get(tenant)
+        mine = len(line) if line else 0
+        tenants = len(self._running.keys() | self._waiting.keys() | {tenant})
+        share = max(1, self.max_waiting // tenants)
+        if mine >= share:
+            raise self._busy(f"{mine} of this tenant's compiles wait already")
+        if self._num_waiting >= self.max_waiting:
+            # full: the tenant waiting most gives its newest place, if it holds more than this
+            # one would
+            most = max(self._waiting, key=lambda t: len(self._waiting[t]))
+            if len(self._waiting[most]) <= mine + 1:
+                raise self._busy(f"{self._num_waiting} grammar compiles wait already")
+            taken = self._waiting[most].pop()
+            self._num_waiting -= 1
+            if not taken.done():
+                taken.set_exception(self._busy("its place in line went to another tenant"))
+        self._waiting.setdefault(tenant, deque()).append(waiter)
+        self._num_waiting += 1
+
+    def _unqueue(self, tenant: str, waiter: asyncio.Future[_Slot]) -> None:
+        line = self._waiting.get(tenant)
+        if line is not None and waiter in line:
+            line.remove(waiter)
+            self._num_waiting -= 1
+            if not line:
+                del self._waiting[tenant]
+
     def _busy(self, why: str) -> Busy:
         return Busy(f"grammar compiles are busy: {why}", max(1, math.ceil(self.timeout_s)))
 
     def _dispatch(self) -> None:
-        """Free workers to the longest waiting compiles whose tenant is under its cap."""
-        for entry in list(self._waiting):
-            if not self._free:
-                return
-            tenant, waiter = entry
-            if self._running.get(tenant, 0) >= self.per_tenant:
-                continue
-            self._waiting.remove(entry)
+        """Free workers to waiting tenants under their cap: the fewest running first, then the
+        one served least recently; then, if a tenant with nothing running still waits, maybe
+        a preemption."""
+        while self._free and self._waiting:
+            running, served = self._running, self._served_at
+            eligible = [t for t in self._waiting if running.get(t, 0) < self.per_tenant]
+            if not eligible:
+                break
+            tenant = min(eligible, key=lambda t: (running.get(t, 0), served.get(t, -math.inf)))
+            line = self._waiting[tenant]
+            waiter = line.popleft()
+            self._num_waiting -= 1
+            if not line:
+                del self._waiting[tenant]
             if waiter.done():
                 continue
-            self._running[tenant] = self._running.get(tenant, 0) + 1
-            waiter.set_result(self._free.pop())
+            slot = self._free.pop()
+            running[tenant] = running.get(tenant, 0) + 1
+            served[tenant] = time.monotonic()
+            self._held[slot] = tenant
+            waiter.set_result(slot)
+        if len(self._served_at) > MAX_SERVED_KEPT:  # the tenants neither running nor waiting
+            for t in self._served_at.keys() - self._running.keys() - self._waiting.keys():
+                del self._served_at[t]
+        self._maybe_preempt()
+
+    def _maybe_preempt(self) -> None:
+        """A tenant with nothing running waits and no worker is free: stop the longest-running
+        compile of a tenant above its fair share of workers, once it has run PREEMPT_AFTER_S
+        (until then, look again when the first of them gets there)."""
+        if self._free or not any(self._running.get(t, 0) == 0 for t in self._waiting):
+            return
+        fair = len(self._slots) / len(self._running.keys() | self._waiting.keys())
+        over = [slot for slot, tenant in self._held.items() if self._running[tenant] > fair]
+        if not over:
+            return
+        now = time.monotonic()
+        # why from the worker's start of the compile: a worker still starting has compiled
+        # nothing yet
+        started = [(since, slot) for slot in over if (since := slot.compiling_since) is not None]
+        if started:
+            since, victim = min(started, key=lambda x: x[0])
+            if now - since >= PREEMPT_AFTER_S:
+                del self._held[victim]  # why: stopped once; it is released when its job ends
+                victim.preempt()
+                return
+            wait = since + PREEMPT_AFTER_S - now
+        else:
+            wait = PREEMPT_AFTER_S / 4
+        if self._recheck is None:
+            self._recheck = asyncio.get_running_loop().call_later(wait, self._look_again)
+
+    def _look_again(self) -> None:
+        self._recheck = None
+        if not self.closed:
+            self._dispatch()
 
     def _release(self, slot: _Slot, tenant: str) -> None:
         left = self._running.get(tenant, 0) - 1
@@ -302,6 +407,7 @@ class GrammarPool:
             self._running[tenant] = left
         else:
             self._running.pop(tenant, None)
+        self._held.pop(slot, None)
         self._free.append(slot)
         self._dispatch()
 

@@ -93,18 +93,23 @@ async def test_one_tenant_runs_half_the_workers_and_close_ends_everything(init) 
 
 
 async def test_waiting_is_bounded_in_number_and_time(init: WorkerInit) -> None:
+    """A tenant's places in line are bounded (its next compile is Busy at once) and a place is
+    held at most timeout_s (then Busy). The worker is held with no compile in it, so neither a
+    compile's deadline nor its memory cap decides anything here."""
     pool = GrammarPool(init, workers=1, timeout_s=1.5)
     try:
-        running = asyncio.ensure_future(pool.compile(runaway(3), "a"))
-        await asyncio.sleep(0.2)
-        waiting = [asyncio.ensure_future(pool.compile(SIMPLE, f"t{i}")) for i in range(8)]
+        slot = await pool._acquire("a")  # tenant a holds the worker, compiling nothing
+        waiting = [asyncio.ensure_future(pool.compile(SIMPLE, "a")) for _ in range(8)]
         await asyncio.sleep(0.05)
-        with pytest.raises(Busy) as busy:  # the ninth finds the queue full, at once
-            await asyncio.wait_for(pool.compile(SIMPLE, "late"), 0.5)
+        with pytest.raises(Busy) as busy:  # past a's places, at once
+            await asyncio.wait_for(pool.compile(SIMPLE, "a"), 0.5)
         assert busy.value.retry_s == 2
+        t0 = time.monotonic()
         results = await asyncio.gather(*waiting, return_exceptions=True)
-        assert any(isinstance(r, Busy) for r in results)  # waited past the bound
-        assert await running == "it did not compile within 1.5 s"
+        assert all(isinstance(r, Busy) for r in results), results  # waited past the bound
+        assert time.monotonic() - t0 < 1.5 + 5
+        pool._release(slot, "a")
+        assert await pool.compile(SIMPLE, "a") == ""
     finally:
         pool.close()
 
