@@ -1,7 +1,11 @@
 """Prompts to token ids: completion prompts as given, chat messages through the template.
 
 A text longer than the model could ever accept is refused before it is tokenized
-(`max_prompt_chars`). Tokenizing runs in an executor thread through `encode_batch_fast`, which
+(`max_prompt_chars`). A text under that cap can still hold several tokens per character (byte
+fallback), and a tokenizer keeps ~140 bytes per token, so a long one is first counted a piece
+of PIECE_CHARS at a time and refused as soon as the count passes the context; only a text that
+fits is tokenized whole, so the memory tokenizing takes is bounded by the context, not the body.
+Tokenizing runs in an executor thread through `encode_batch_fast`, which
 releases the GIL while it works (`encode` holds it throughout, so the event loop would stop for
 as long as a long prompt takes) and keeps no character offsets (freeing them takes the GIL
 again).
@@ -26,6 +30,16 @@ from gapless.frontend.structured import Grammars
 CompletionPrompt = str | list[int | str | list[int]]
 # why: a normalizer (NFC, say) may merge several characters into one before the tokens are cut
 NORMALIZED_SLACK = 4
+PIECE_CHARS = 32_768  # characters a long text is counted by; at most ~4 tokens each
+CUT_SLACK = 8  # tokens that cutting a text in two may add to its count, at most
+
+
+class TooManyTokens(Exception):
+    """A text's tokens passed the context while it was counted piece by piece."""
+
+    def __init__(self, at_least: int) -> None:
+        super().__init__(at_least)
+        self.at_least = at_least
 
 
 def max_prompt_chars(tokenizer: tokenizers.Tokenizer, max_model_len: int) -> int:
@@ -92,7 +106,7 @@ class Prompter:
             self._check_length(one, "prompt")
             t0 = time.perf_counter()
             bos = self.config.model.bos_token_id if self.config.model.add_bos_token else None
-            ids = await self._encode(one, bos)
+            ids = await self._encode(one, bos, "prompt")
             metrics.observer.tokenized(time.perf_counter() - t0)
             return ids
         if not one:
@@ -115,7 +129,7 @@ class Prompter:
                 raise bad_request("bad_words must not hold empty words", param="bad_words")
             self._check_length(word, "bad_words")
             for variant in (word, " " + word.lstrip()):
-                ids = tuple(await self._encode(variant, None))
+                ids = tuple(await self._encode(variant, None, "bad_words"))
                 if ids:
                     out[ids] = None
         return tuple(out)
@@ -131,7 +145,7 @@ class Prompter:
         t0 = time.perf_counter()
         text = await self.chat_template.render(messages, **render)
         self._check_length(text, "messages")
-        ids = await self._encode(text, None)
+        ids = await self._encode(text, None, "messages")
         metrics.observer.tokenized(time.perf_counter() - t0)
         return ids
 
@@ -145,13 +159,46 @@ class Prompter:
                 code="context_length_exceeded",
             )
 
-    async def _encode(self, text: str, bos: int | None) -> list[int]:
+    async def _encode(self, text: str, bos: int | None, param: str) -> list[int]:
         loop = asyncio.get_running_loop()
-        ids = await loop.run_in_executor(self._executor, self._ids, text)
+        try:
+            ids = await loop.run_in_executor(self._executor, self._ids, text)
+        except TooManyTokens as e:
+            limit = self.config.model.max_model_len
+            raise bad_request(
+                f"{param} is at least {e.at_least} tokens; it must be shorter than the context "
+                f"length of {limit} tokens",
+                param=param,
+                code="context_length_exceeded",
+            ) from None
         return [bos, *ids] if bos is not None else ids
 
     def _ids(self, text: str) -> list[int]:
-        return self.tokenizer.encode_batch_fast([text], False, False)[0].ids
+        """The text's ids; TooManyTokens once a long text is known to pass the context."""
+        encode = self.tokenizer.encode_batch_fast
+        if len(text) > PIECE_CHARS:
+            limit, count = self.config.model.max_model_len, 0
+            for k, piece in enumerate(text_pieces(text, PIECE_CHARS)):
+                count += len(encode([piece], False, False)[0].ids)
+                at_least = count - CUT_SLACK * k  # why: each cut may split a token or two
+                if at_least > limit:
+                    raise TooManyTokens(at_least)
+        return encode([text], False, False)[0].ids
+
+
+def text_pieces(text: str, size: int) -> list[str]:
+    """text cut into pieces of at most `size` characters, each cut before a whitespace
+    character where one is in the piece's second half (a word is then never cut)."""
+    pieces, start = [], 0
+    while len(text) - start > size:
+        end = start + size
+        cut = max(text.rfind(" ", start + size // 2, end), text.rfind("\n", start + size // 2, end))
+        if cut <= start:
+            cut = end
+        pieces.append(text[start:cut])
+        start = cut
+    pieces.append(text[start:])
+    return pieces
 
 
 def _prompts(prompt: CompletionPrompt) -> list[str | list[int]]:

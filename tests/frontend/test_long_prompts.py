@@ -142,3 +142,56 @@ def test_health_answers_while_3mb_prompts_come(make_config, engine) -> None:
         )
     assert statuses == [200]
     assert len(latencies) > 10 and max(latencies) < HEALTH_BOUND_S, max(latencies)
+
+
+def _many_tokens_per_char(num_chars: int) -> str:
+    """Rare CJK characters: a byte-level BPE spends several tokens on each."""
+    return "".join(chr(0x20000 + (i * 7919) % 40000) for i in range(num_chars))
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", lambda t: {"prompt": t}, "prompt"),
+        ("/v1/chat/completions", lambda t: {"messages": [{"role": "user", "content": t}]},
+         "messages"),
+    ],
+)  # fmt: skip
+async def test_a_text_under_the_cap_of_many_tokens_is_refused_piece_by_piece(
+    make_config, engine, path, body, param
+) -> None:
+    """Under the character cap but several tokens a character: counted a piece at a time and
+    refused once the count passes the context, never tokenized whole (so the tokenizer's
+    memory, ~140 bytes a token, stays bounded by the context rather than the body)."""
+    from gapless.frontend.prompts import PIECE_CHARS
+
+    app = build_app(make_config(model_overrides={"max_model_len": 4096}), engine)
+    prompter = app.state.prompter
+    spy = prompter.tokenizer = _TokenizerSpy(prompter.tokenizer)
+    text = _many_tokens_per_char(prompter.max_chars // 2)
+    assert len(text) > 4 * PIECE_CHARS
+    assert len(engine.tokenizer.encode(text[:1000], add_special_tokens=False)) > 2000
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+        r = await client.post(path, json=body(text))
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and error["code"] == "context_length_exceeded", error
+    assert "at least" in error["message"], error
+    assert max(spy.encoded) <= PIECE_CHARS, "a piece larger than PIECE_CHARS was tokenized"
+    assert sum(spy.encoded) <= 2 * PIECE_CHARS, "counting went on past the context"
+    assert not engine.added
+
+
+def test_a_long_text_that_fits_gets_the_ids_of_the_whole(make_config, engine) -> None:
+    from gapless.frontend.prompts import PIECE_CHARS, Prompter, text_pieces
+
+    text = _text(3 * PIECE_CHARS + 123)
+    pieces = text_pieces(text, PIECE_CHARS)
+    assert "".join(pieces) == text and len(pieces) == 4
+    assert all(len(p) <= PIECE_CHARS for p in pieces)
+    assert all(p.startswith((" ", "\n")) for p in pieces[1:]), "cut before a space"
+    config = make_config(model_overrides={"max_model_len": 10**6})
+    prompter = Prompter(engine.tokenizer, config)
+    assert prompter._ids(text) == engine.tokenizer.encode(text, add_special_tokens=False).ids
