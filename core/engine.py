@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from gapless.common.bad_messages import BadMessages
 from gapless.common.checks import request_problem
 from gapless.common.config import EngineConfig
+from gapless.common.kv_events import Event, KvEventLog
 from gapless.common.messages import (
     QUEUE_STATE_INTERVAL_S,
     Abort,
@@ -60,6 +61,7 @@ class EngineOutputs:
     plans: list[StepPlan] = field(default_factory=list)  # to the runner
     detok: list[DetokInput] = field(default_factory=list)  # to the detokenizer
     frontend: list[tuple[int, FrontendInput]] = field(default_factory=list)  # (frontend id, msg)
+    kv_events: list[Event] = field(default_factory=list)  # to routers (--kv-events-endpoint)
 
 
 # weight of the newest step in the moving average of device step time (about the last 16)
@@ -80,10 +82,19 @@ class EngineCore:
     """
 
     def __init__(
-        self, config: EngineConfig, num_kv_blocks: int, metrics: CoreMetrics | None = None
+        self,
+        config: EngineConfig,
+        num_kv_blocks: int,
+        metrics: CoreMetrics | None = None,
+        kv_events: bool | None = None,  # None: as --kv-events-endpoint says
     ) -> None:
         self.config = config
         self._step_s = float("inf")  # moving average of device step time; none seen yet
+        if kv_events is None:
+            kv_events = config.kv_events_endpoint is not None
+        self.kv_events = KvEventLog(config.block_size) if kv_events else None
+        if self.kv_events is not None:  # why: a router's model of this cache starts empty
+            self.kv_events.cleared()
         self.scheduler = Scheduler(
             num_blocks=num_kv_blocks,
             block_size=config.block_size,
@@ -100,6 +111,7 @@ class EngineCore:
             prefix_caching=config.prefix_caching,
             model_salt=config.model.path,
             window=config.model.kv_window,
+            kv_events=self.kv_events,
         )
         self.inflight: deque[ScheduledStep] = deque()
         self.stall = StallWatch(config.stall_timeout_s)
@@ -269,8 +281,15 @@ class EngineCore:
         self.metrics.observe_queues(self.scheduler)
         if now - self._queue_checked_at >= QUEUE_STATE_INTERVAL_S:
             self._send_queue_state(now)
+        if self.kv_events is not None:
+            self._out.kv_events = self.kv_events.take()
         outputs, self._out = self._out, EngineOutputs()
         return outputs
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (AllBlocksCleared to routers); False while any request
+        holds KV blocks, as vLLM refuses then too."""
+        return self.scheduler.blocks.reset()
 
     def _expire_waiting(self, now: float, limit_s: float) -> None:
         """End requests that have waited longer than limit_s for their first step."""

@@ -143,6 +143,12 @@ class CoreMetrics:
             registry=r,
         )
         self.finished = {reason: self._finished.labels(reason) for reason in FINISH_REASONS}
+        self.kv_events_dropped = Counter(
+            "gapless_kv_events_dropped_batches",
+            "KV event batches dropped because the publisher's queue was full (a subscriber "
+            "sees the gap in sequence numbers)",
+            registry=r,
+        )
         self.stalls = Counter(
             "gapless_engine_stalls",
             "Times a step's result was owed past the stall bound (--stall-timeout)",
