@@ -119,6 +119,7 @@ class EngineCore:
         self.metrics = metrics or CoreMetrics(
             known_tenants=tuple(config.tenants), replica=config.replica
         )
+        self.metrics.cache_config(config.block_size, self.scheduler.blocks.num_usable)
         self.shutdown = False
         self._out = EngineOutputs()
         self._ended: list[tuple[str, str, str]] = []  # (request id, end reason, error) to send

@@ -276,6 +276,7 @@ OPERATION_IDS = {
     "/v1/engine/timeline": "engineTimeline",
     "/metrics": "metrics",
     "/health": "health",
+    "/live": "live",
     "/openapi.json": "openapi",
 }
 
@@ -322,6 +323,7 @@ def openapi_document(
         "description": "dead, unresponsive, stalled or draining",
         "content": {"application/json": {"schema": _ref("Health")}},
     }
+    live = _get("Health", "200 while the server lives, loading and draining too (liveness)", 503)
     metrics = _plain("Prometheus text format", "text/plain", 401)
     model = _get("ModelCard", "one model, if it is the served one", 401, 404)
     name = _parameter("model", "path", {"type": "string"}, "the served model's name")
@@ -378,6 +380,7 @@ def openapi_document(
             "/v1/engine/timeline": timeline,
             "/metrics": metrics,
             "/health": health,
+            "/live": live,
             "/openapi.json": {
                 "get": {"summary": "this document", "responses": {"200": {"description": "ok"}}}
             },
@@ -389,6 +392,7 @@ def openapi_document(
         doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
         doc["security"] = [{"bearer": []}]
         health["get"]["security"] = []  # why: probes carry no key
+        live["get"]["security"] = []
         if config is None or not config.metrics_require_key:
             metrics["get"]["security"] = []
     return doc
