@@ -538,7 +538,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         msgspec.Meta(
             description="open connections per frontend; past it the longest-idle keep-alive "
             "connection is closed for a new one, or, with none idle, a new connection may ask "
-            "/health or /metrics and gets 503 for anything else; unset: half the process's "
+            "/health, /live or /metrics and gets 503 for anything else; unset: half the process's "
             "file descriptor limit",
             extra={"metavar": "N"},
         ),

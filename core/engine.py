@@ -29,7 +29,9 @@ from gapless.common.messages import (
     FrontendInput,
     GetStats,
     GetTimeline,
+    PrefixCacheReset,
     QueueState,
+    ResetPrefixCache,
     SamplingParams,
     Shutdown,
     StepPlan,
@@ -178,7 +180,11 @@ class EngineCore:
                 self.end_requests(ids, "abort")
             case StreamEnded(request_ids=ids, reason=reason):
                 self.end_requests(ids, reason, tell_detokenizer=False)
-            case GetStats(frontend_id=fid) | GetTimeline(frontend_id=fid) if not self._known(fid):
+            case (
+                GetStats(frontend_id=fid)
+                | GetTimeline(frontend_id=fid)
+                | ResetPrefixCache(frontend_id=fid)
+            ) if not self._known(fid):
                 self.bad.report("unknown_frontend", f"{type(msg).__name__} for frontend {fid}")
             case GetStats(frontend_id=fid, token=token):
                 self._out.frontend.append((fid, self.stats(token)))
@@ -187,6 +193,8 @@ class EngineCore:
                 steps, summary = tl.last(last), tl.summary()
                 reply = Timeline(token, tl.device, tl.overlap, steps, summary)
                 self._out.frontend.append((fid, reply))
+            case ResetPrefixCache(frontend_id=fid, token=token):
+                self._out.frontend.append((fid, PrefixCacheReset(token, self.reset_prefix_cache())))
             case Shutdown():
                 self.shutdown = True
 

@@ -68,6 +68,7 @@ class App:
             "/openapi.json": {"GET": self._openapi_json},
             "/v1/engine/stats": {"GET": self._engine_stats},
             "/v1/engine/timeline": {"GET": self._engine_timeline},
+            "/reset_prefix_cache": {"POST": self._reset_prefix_cache},
             "/metrics": {"GET": self._metrics},
             "/tokenize": {"POST": self._tokenize},
             "/detokenize": {"POST": self._detokenize},
@@ -186,6 +187,18 @@ class App:
             await out.json(503, Health("dead", engine.dead_reason))
         else:
             await out.json(200, Health("alive"))
+
+    async def _reset_prefix_cache(self, req: HttpRequest, out: Responder, caller: Caller) -> None:
+        """Every replica forgets its cached prefixes (routers hear AllBlocksCleared); 409 from
+        a replica where requests hold KV blocks, which keeps its cache."""
+        _check_admin(caller, req.path)
+        engine = self.state.engine
+        asks = [engine.reset_prefix_cache(k) for k in range(engine.num_replicas)]
+        done = [r.done for r in await _from_engine(asyncio.gather(*asks))]
+        if not all(done):
+            raise ApiError(409, f"replicas {[k for k, d in enumerate(done) if not d]} hold "
+                           "requests' KV blocks; reset when idle", code="engine_busy")  # fmt: skip
+        await out.json(200, {"reset": done})
 
     async def _engine_stats(self, req: HttpRequest, out: Responder, caller: Caller) -> None:
         """A core's queues and KV blocks right now (replica 0's, or `?replica=K`'s)."""

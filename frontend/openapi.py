@@ -274,6 +274,7 @@ OPERATION_IDS = {
     "/version": "version",
     "/v1/engine/stats": "engineStats",
     "/v1/engine/timeline": "engineTimeline",
+    "/reset_prefix_cache": "resetPrefixCache",
     "/metrics": "metrics",
     "/health": "health",
     "/live": "live",
@@ -352,6 +353,11 @@ def openapi_document(
         "a core's queues and KV blocks (the admin key)", "application/json", 400, 401, 403, 503
     )
     stats["get"]["parameters"] = [replica]
+    reset = _plain(
+        "every replica forgets its cached prefixes (the admin key); 409 while requests hold "
+        "KV blocks",
+        "application/json", 401, 403, 409, 503,
+    )  # fmt: skip
     doc = {
         "openapi": "3.1.0",
         "info": {"title": title, "version": version},
@@ -378,6 +384,7 @@ def openapi_document(
             "/version": _get("Version", "the server's version", 401),
             "/v1/engine/stats": stats,
             "/v1/engine/timeline": timeline,
+            "/reset_prefix_cache": {"post": reset["get"]},
             "/metrics": metrics,
             "/health": health,
             "/live": live,

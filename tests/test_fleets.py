@@ -54,6 +54,8 @@ def test_replicas_publish_on_their_own_ports_and_the_docs_metrics_exist(default_
                            timeout=60)  # fmt: skip
             assert r.status_code == 200, r.text
         assert httpx.get(s.url + "/live", timeout=10).status_code == 200
+        r = httpx.post(s.url + "/reset_prefix_cache", timeout=10)
+        assert r.status_code == 200 and r.json() == {"reset": [True, True]}, r.text
         text = httpx.get(s.url + "/metrics", timeout=10).text
         stored = []
         for k in (0, 1):
@@ -63,8 +65,9 @@ def test_replicas_publish_on_their_own_ports_and_the_docs_metrics_exist(default_
                 batch, decoded = decode_batch(payload)
                 assert batch.data_parallel_rank == k
                 stored += [e for e in decoded if type(e).__name__ == "BlockStored"]
-            first = decode_batch(batches[0][1])[1][0]
+            first, last = decode_batch(batches[0][1])[1][0], decode_batch(batches[-1][1])[1][-1]
             assert type(first).__name__ == "AllBlocksCleared", "each replica starts empty"
+            assert type(last).__name__ == "AllBlocksCleared", "and the reset cleared it"
         scopes = {e.extra_keys[0] for e in stored if e.parent_block_hash is None}
         assert len(scopes) == 2, "the two tenants' blocks are told apart"
     finally:

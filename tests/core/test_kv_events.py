@@ -13,7 +13,9 @@ import pytest
 import zmq
 
 from gapless.common.block_hash import cache_scope
-from gapless.common.messages import AddRequest, SamplingParams
+from gapless.common.kv_events import KvEventLog
+from gapless.common.messages import AddRequest, PrefixCacheReset, ResetPrefixCache, SamplingParams
+from gapless.core.kv_blocks import BlockManager
 from gapless.core.kv_publisher import END_SEQ, KvEventPublisher
 from tests.conftest import sim_config
 from tests.engine_harness import Harness
@@ -137,7 +139,7 @@ def run(default_gguf) -> Harness:
     order = [0, 1, 0, 2, 3, 0, 4, 5, 6, 1, 7, 0]  # repeats hit; eight distinct ones do not fit
     h.run({3 * k: [(f"a{k}", prompts[i], params)] for k, i in enumerate(order)})
     assert h.scheduler.blocks.num_evictions > 0 and h.scheduler.num_hit_tokens > 0
-    assert h.core.reset_prefix_cache()
+    h.core.handle(ResetPrefixCache(frontend_id=0, token=7))  # as POST /reset_prefix_cache
     later = enumerate([2, 2, 3, 5])
     h.run({h.steps + 3 * k: [(f"b{k}", prompts[i], params)] for k, i in later})
     for tenant in ("acme", "globex"):
@@ -172,6 +174,7 @@ def test_replaying_the_events_gives_exactly_the_blocks_the_engine_holds(run):
     assert type(events[0]).__name__ == "AllBlocksCleared", "the engine starts empty"
     assert model.hashes == set(run.scheduler.blocks._by_hash), "the router sees the engine's cache"
     assert model.hashes, "the workload left blocks cached"
+    assert PrefixCacheReset(7, True) in run.frontend
     run.scheduler.blocks.check()
     stored = model.stored[-1]
     assert stored.medium == "GPU" and stored.lora_name is None and stored.block_size == 16
@@ -184,6 +187,15 @@ def test_two_tenants_with_one_prompt_give_distinguishable_events(run):
     assert firsts[0].block_hashes[0] != firsts[1].block_hashes[0]
     scopes = {e.extra_keys[0] for e in firsts}
     assert scopes == {(cache_scope("acme", ""),), (cache_scope("globex", ""),)}
+
+
+def test_a_reset_while_a_request_holds_blocks_changes_nothing():
+    log = KvEventLog(block_size=4)
+    m = BlockManager(num_blocks=4, block_size=4, events=log)
+    held = m.allocate(1)
+    assert not m.reset() and log.take() == []
+    m.free(held)
+    assert m.reset() and type(log.take()[0]).__name__ == "AllBlocksCleared"
 
 
 def test_positional_events_decode_by_the_same_rule():
