@@ -17,6 +17,9 @@ only then walks the chain. A lookup that misses the head (every lookup when prom
 distinct) costs one dict probe, and a fragment nobody asks for is dropped with its head when
 that is evicted. A fragment's block is named only if no allocation has handed it
 out since the fragment was filed (the block's stamp is not newer than the fragment's clock).
+With KV events on (--kv-events-endpoint), names are given when blocks are registered instead
+(`register_now`): a router must hear of a block when it becomes reusable, and each name given
+or dropped is logged (common/kv_events.py), so replaying the events rebuilds the map of names.
 
 Invariants (tests/core/test_prefix_cache.py checks them after every step, overlap on and off):
 1. A block is in exactly one place: the empty list, the LRU (no reference, reusable KV), or
