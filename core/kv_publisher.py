@@ -27,7 +27,10 @@ from gapless.common.kv_events import Event, KvEventBatch
 log = logging.getLogger("gapless.core")
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
-SEND_HWM = 100_000  # batches a slow subscriber may owe before PUB drops for it
+# batches a slow subscriber may owe before PUB drops for it: as many as replay keeps, since one
+# further behind needs more than replay can give (vLLM's 100,000 lets a stalled subscriber cost
+# ten times the ring's memory)
+SEND_HWM = 10_000
 
 
 def bind_address(endpoint: str, replica: int) -> str:
