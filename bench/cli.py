@@ -9,6 +9,8 @@ bench plot --from a.json b.json --plot-dir figs
 bench host-floor --batches 64,256 --plot-dir figs   (the shortest sim step the host keeps fed)
 bench sse-ceiling --streams 256 --api-servers 1,2   (tokens/s the frontends deliver, engine no limit)
 bench connections --idle 20000 --slowloris 100 --launch -- --device sim   (held sockets beside a client)
+bench route --groups 12 --prefix 512 -- --device sim   (KV-event routing vs round robin, two servers)
+bench kv-stall --streams 256 --seconds 10 -- --device sim   (a KV event subscriber that stops reading)
 """
 
 from __future__ import annotations
@@ -202,6 +204,14 @@ def main(argv: list[str] | None = None) -> None:
 
         sse_ceiling_main(argv[1:])
         return
+    if argv[:1] == ["kv-stall"]:
+        from gapless.bench.kv_stall import main as kv_stall_main
+
+        sys.exit(kv_stall_main(argv[1:]))
+    if argv[:1] == ["route"]:
+        from gapless.bench.routing import main as route_main
+
+        sys.exit(route_main(argv[1:]))
     if argv[:1] == ["connections"]:
         from gapless.bench.connections import main as connections_main
 

@@ -171,6 +171,34 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             "can then learn what another sent (cached_tokens, time to first token)"
         ),
     ] = False
+    kv_events_endpoint: Annotated[
+        str | None,
+        msgspec.Meta(
+            description="publish KV cache events (vLLM 0.33's format, for prefix-aware "
+            "routers) on a ZMQ PUB socket bound here: tcp://HOST:PORT, or PORT alone for "
+            "127.0.0.1 (events carry prompt token ids: keep them on the operator's network); "
+            "replica k binds PORT + k; unset: no events",
+            extra={"metavar": "ADDR"},
+        ),
+    ] = None
+    kv_events_replay_endpoint: Annotated[
+        str | None,
+        msgspec.Meta(
+            description="a ZMQ ROUTER socket bound here (same forms, PORT + k for replica k) "
+            "answers a subscriber's 8-byte big-endian sequence number with the batches from "
+            "it on that it still keeps",
+            extra={"metavar": "ADDR"},
+        ),
+    ] = None
+    kv_events_topic: Annotated[
+        str | None,
+        msgspec.Meta(
+            description="ZMQ topic (first frame) of every KV event batch; unset: empty",
+            extra={"metavar": "TOPIC"},
+        ),
+    ] = None
+    kv_events_queue: Annotated[int, NOT_A_FLAG] = 1024  # batches waiting for the publisher
+    kv_events_buffer: Annotated[int, NOT_A_FLAG] = 10_000  # batches kept for replay
     scheduling_policy: Annotated[
         SchedulingPolicy,
         msgspec.Meta(
@@ -510,7 +538,7 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         msgspec.Meta(
             description="open connections per frontend; past it the longest-idle keep-alive "
             "connection is closed for a new one, or, with none idle, a new connection may ask "
-            "/health or /metrics and gets 503 for anything else; unset: half the process's "
+            "/health, /live or /metrics and gets 503 for anything else; unset: half the process's "
             "file descriptor limit",
             extra={"metavar": "N"},
         ),

@@ -113,7 +113,14 @@ class GetTimeline(_Msg):
     last: int
 
 
-CoreInput = AddRequest | Abort | StreamEnded | Shutdown | GetStats | GetTimeline
+class ResetPrefixCache(_Msg):
+    """Ask the core to forget its cached prefixes; it answers with PrefixCacheReset."""
+
+    frontend_id: int
+    token: int
+
+
+CoreInput = AddRequest | Abort | StreamEnded | Shutdown | GetStats | GetTimeline | ResetPrefixCache
 
 
 # ---------------------------------------------------------------- core -> gpu_runner
@@ -317,6 +324,11 @@ class EngineStats(_Msg):
     prefix_evictions: int = 0  # cached blocks reused for other content, since start
 
 
+class PrefixCacheReset(_Msg):
+    token: int
+    done: bool  # False while a request holds KV blocks (nothing changed)
+
+
 class StepRecord(msgspec.Struct, omit_defaults=True, gc=False):
     """One step of the device timeline. Times are seconds on time.perf_counter's clock, which
     is CLOCK_MONOTONIC and so shared by every process of the engine."""
@@ -370,7 +382,9 @@ class QueueState(_Msg):
 
 QUEUE_STATE_INTERVAL_S = 0.02
 
-FrontendInput = TextDeltas | EngineDead | EngineStats | Timeline | QueueState | Heartbeat
+FrontendInput = (
+    TextDeltas | EngineDead | EngineStats | Timeline | QueueState | Heartbeat | PrefixCacheReset
+)
 
 
 # ---------------------------------------------------------------- every process -> supervisor

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from gapless.common.bad_messages import BadMessages
 from gapless.common.checks import request_problem
 from gapless.common.config import EngineConfig
+from gapless.common.kv_events import Event, KvEventLog
 from gapless.common.messages import (
     QUEUE_STATE_INTERVAL_S,
     Abort,
@@ -28,7 +29,9 @@ from gapless.common.messages import (
     FrontendInput,
     GetStats,
     GetTimeline,
+    PrefixCacheReset,
     QueueState,
+    ResetPrefixCache,
     SamplingParams,
     Shutdown,
     StepPlan,
@@ -60,6 +63,7 @@ class EngineOutputs:
     plans: list[StepPlan] = field(default_factory=list)  # to the runner
     detok: list[DetokInput] = field(default_factory=list)  # to the detokenizer
     frontend: list[tuple[int, FrontendInput]] = field(default_factory=list)  # (frontend id, msg)
+    kv_events: list[Event] = field(default_factory=list)  # to routers (--kv-events-endpoint)
 
 
 # weight of the newest step in the moving average of device step time (about the last 16)
@@ -80,10 +84,19 @@ class EngineCore:
     """
 
     def __init__(
-        self, config: EngineConfig, num_kv_blocks: int, metrics: CoreMetrics | None = None
+        self,
+        config: EngineConfig,
+        num_kv_blocks: int,
+        metrics: CoreMetrics | None = None,
+        kv_events: bool | None = None,  # None: as --kv-events-endpoint says
     ) -> None:
         self.config = config
         self._step_s = float("inf")  # moving average of device step time; none seen yet
+        if kv_events is None:
+            kv_events = config.kv_events_endpoint is not None
+        self.kv_events = KvEventLog(config.block_size) if kv_events else None
+        if self.kv_events is not None:  # why: a router's model of this cache starts empty
+            self.kv_events.cleared()
         self.scheduler = Scheduler(
             num_blocks=num_kv_blocks,
             block_size=config.block_size,
@@ -100,6 +113,7 @@ class EngineCore:
             prefix_caching=config.prefix_caching,
             model_salt=config.model.path,
             window=config.model.kv_window,
+            kv_events=self.kv_events,
         )
         self.inflight: deque[ScheduledStep] = deque()
         self.stall = StallWatch(config.stall_timeout_s)
@@ -107,6 +121,7 @@ class EngineCore:
         self.metrics = metrics or CoreMetrics(
             known_tenants=tuple(config.tenants), replica=config.replica
         )
+        self.metrics.cache_config(config.block_size, self.scheduler.blocks.num_usable)
         self.shutdown = False
         self._out = EngineOutputs()
         self._ended: list[tuple[str, str, str]] = []  # (request id, end reason, error) to send
@@ -165,7 +180,11 @@ class EngineCore:
                 self.end_requests(ids, "abort")
             case StreamEnded(request_ids=ids, reason=reason):
                 self.end_requests(ids, reason, tell_detokenizer=False)
-            case GetStats(frontend_id=fid) | GetTimeline(frontend_id=fid) if not self._known(fid):
+            case (
+                GetStats(frontend_id=fid)
+                | GetTimeline(frontend_id=fid)
+                | ResetPrefixCache(frontend_id=fid)
+            ) if not self._known(fid):
                 self.bad.report("unknown_frontend", f"{type(msg).__name__} for frontend {fid}")
             case GetStats(frontend_id=fid, token=token):
                 self._out.frontend.append((fid, self.stats(token)))
@@ -174,6 +193,8 @@ class EngineCore:
                 steps, summary = tl.last(last), tl.summary()
                 reply = Timeline(token, tl.device, tl.overlap, steps, summary)
                 self._out.frontend.append((fid, reply))
+            case ResetPrefixCache(frontend_id=fid, token=token):
+                self._out.frontend.append((fid, PrefixCacheReset(token, self.reset_prefix_cache())))
             case Shutdown():
                 self.shutdown = True
 
@@ -269,8 +290,15 @@ class EngineCore:
         self.metrics.observe_queues(self.scheduler)
         if now - self._queue_checked_at >= QUEUE_STATE_INTERVAL_S:
             self._send_queue_state(now)
+        if self.kv_events is not None:
+            self._out.kv_events = self.kv_events.take()
         outputs, self._out = self._out, EngineOutputs()
         return outputs
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (AllBlocksCleared to routers); False while any request
+        holds KV blocks, as vLLM refuses then too."""
+        return self.scheduler.blocks.reset()
 
     def _expire_waiting(self, now: float, limit_s: float) -> None:
         """End requests that have waited longer than limit_s for their first step."""

@@ -17,6 +17,9 @@ only then walks the chain. A lookup that misses the head (every lookup when prom
 distinct) costs one dict probe, and a fragment nobody asks for is dropped with its head when
 that is evicted. A fragment's block is named only if no allocation has handed it
 out since the fragment was filed (the block's stamp is not newer than the fragment's clock).
+With KV events on (--kv-events-endpoint), names are given when blocks are registered instead
+(`register_now`): a router must hear of a block when it becomes reusable, and each name given
+or dropped is logged (common/kv_events.py), so replaying the events rebuilds the map of names.
 
 Invariants (tests/core/test_prefix_cache.py checks them after every step, overlap on and off):
 1. A block is in exactly one place: the empty list, the LRU (no reference, reusable KV), or
@@ -56,6 +59,7 @@ from collections.abc import Iterable, Iterator
 from itertools import islice
 
 from gapless.common.block_hash import chain_hashes, hash_root
+from gapless.common.kv_events import KvEventLog
 
 __all__ = ["BlockManager", "SlotManager", "chain_hashes", "hash_root"]
 
@@ -75,11 +79,20 @@ class BlockManager:
     several times a deque append per block.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        caching: bool = True,
+        events: KvEventLog | None = None,
+    ) -> None:
         assert num_blocks >= 2, "need at least one usable KV block"
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.caching = caching
+        # with events, blocks are named when registered (register_now), not lazily: a router
+        # must hear of a block when it becomes reusable, and every name change is logged
+        self.events = events
         self._empty: deque[int] = deque(range(1, num_blocks))  # no reference, nothing reusable
         self._lru: deque[int] = deque()  # freed reusable blocks, oldest first, stale entries too
         self._stale: dict[int, int] = {}  # stale entries per block, all older than its live one
@@ -141,6 +154,7 @@ class BlockManager:
         self.num_evictions += k
         self._clock = clock = self._clock + 1
         stamp, names, ref = self._stamp, self._hash, self._ref
+        dropped = []
         for b in out:
             ref[b] = 1
             stamp[b] = clock
@@ -149,6 +163,9 @@ class BlockManager:
                 names[b] = None
                 del self._by_hash[h]
                 self._pending.pop(h, None)
+                dropped.append(h)
+        if dropped and self.events is not None:
+            self.events.removed(dropped)
         return out
 
     def free(self, blocks: list[int], num_reusable: int = 0) -> None:
@@ -262,6 +279,55 @@ class BlockManager:
             self._pending[head_hash] = [fragment]
         else:
             waiting.append(fragment)
+
+    def register_now(
+        self,
+        blocks: list[int],
+        start: int,
+        stop: int,
+        hashes: list[bytes],
+        token_ids: list[int],
+        scope: str,
+    ) -> None:
+        """`register` with every name given at once and logged (events on): hashes covers at
+        least stop blocks, token_ids are blocks[start:stop]'s. A hash that already names
+        another block is left to that one, so the events of each run of newly named blocks
+        form a chain, and the set the events describe is exactly the set a lookup can hit."""
+        if not self.caching or stop <= start:
+            return
+        assert self.events is not None and len(hashes) >= stop
+        self._num_reusable += stop - start
+        by_hash, names, bs = self._by_hash, self._hash, self.block_size
+        run = -1  # first block of the run being named, -1: none
+        for i in range(start, stop + 1):
+            b = blocks[i] if i < stop else 0
+            if i < stop and names[b] is None and hashes[i] not in by_hash:
+                by_hash[hashes[i]] = b
+                names[b] = hashes[i]
+                if run < 0:
+                    run = i
+            elif run >= 0:
+                tokens = token_ids[(run - start) * bs : (i - start) * bs]
+                parent = hashes[run - 1] if run > 0 else None
+                self.events.stored(hashes[run:i], parent, tokens, scope)
+                run = -1
+
+    def reset(self) -> bool:
+        """Forget every cached prefix, if no request holds a block (else False, nothing
+        changes): reusable blocks go back empty. Logs AllBlocksCleared."""
+        if self.num_free != self.num_usable:
+            return False
+        self._empty.extend(self._skip_stale(self._lru))
+        self._lru.clear()
+        self._num_lru = self._num_reusable = 0
+        self._hash = [None] * self.num_blocks
+        self._by_hash.clear()
+        self._pending.clear()
+        self._clock += 1
+        self._stamp = [self._clock] * self.num_blocks
+        if self.events is not None:
+            self.events.cleared()
+        return True
 
     def _name(self, head: bytes) -> None:
         """Name the blocks of the fragments waiting under a head that no eviction has handed

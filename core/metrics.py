@@ -143,6 +143,20 @@ class CoreMetrics:
             registry=r,
         )
         self.finished = {reason: self._finished.labels(reason) for reason in FINISH_REASONS}
+        self._cache_config = Gauge(
+            "gapless_cache_config_info",
+            "The KV cache's shape as labels (vLLM's cache_config_info label names, which "
+            "inference gateways read): tokens per block, blocks; the value is 1",
+            ["block_size", "num_gpu_blocks"],
+            multiprocess_mode=share,
+            registry=r,
+        )
+        self.kv_events_dropped = Counter(
+            "gapless_kv_events_dropped_batches",
+            "KV event batches dropped because the publisher's queue was full (a subscriber "
+            "sees the gap in sequence numbers)",
+            registry=r,
+        )
         self.stalls = Counter(
             "gapless_engine_stalls",
             "Times a step's result was owed past the stall bound (--stall-timeout)",
@@ -221,6 +235,10 @@ class CoreMetrics:
         # (monotonic, tokens queried, hit) per change over the last HIT_RATE_WINDOW_S, summed
         self._hits: deque[tuple[float, int, int]] = deque()
         self._window_q = self._window_h = 0
+
+    def cache_config(self, block_size: int, num_blocks: int) -> None:
+        """Export the cache's shape once, when the engine starts."""
+        self._cache_config.labels(str(block_size), str(num_blocks)).set(1)
 
     # requests -----------------------------------------------------------------------------
 

@@ -109,6 +109,12 @@ class PrefixCache:
         first, last = req.num_named, min(known // bs, len(req.blocks))
         if last <= first:
             return
+        if self.blocks.events is not None:  # named now, each name logged for routers
+            tokens = req.known_tokens(first * bs, last * bs)
+            hashes = self.hashes(req, last)
+            self.blocks.register_now(req.blocks, first, last, hashes, tokens, req.cache_salt)
+            req.num_named = last
+            return
         hashes = req.block_hashes
         if len(hashes) < max(first, 1):  # rare: no frontend hashes, or outputs registered before
             hashes = self.hashes(req, max(first, 1))

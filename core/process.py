@@ -34,6 +34,7 @@ from gapless.common.process import (
     stop_requested,
 )
 from gapless.core.engine import EngineCore, EngineOutputs
+from gapless.core.kv_publisher import KvEventPublisher
 
 log = logging.getLogger("gapless.core")
 
@@ -91,6 +92,7 @@ class CoreProcess:
         self.frontends: list[Sender[FrontendInput]] = [
             Sender(ctx, config.ipc(frontend_socket(i))) for i in range(config.api_servers)
         ]
+        self.kv_events = kv_publisher(ctx, config, core) if core.kv_events is not None else None
 
     def send(self, out: EngineOutputs) -> None:
         for plan in out.plans:
@@ -99,6 +101,8 @@ class CoreProcess:
             self.detok.send(msg)
         for fid, reply in out.frontend:
             self.frontends[fid].send(reply)
+        if self.kv_events is not None:
+            self.kv_events.publish(out.kv_events)
 
     def run(self) -> None:
         core, poller = self.core, zmq.Poller()
@@ -137,9 +141,28 @@ class CoreProcess:
                             "unexpected_message", f"{type(other).__name__} from the runner"
                         )
         core.timeline.close()
+        if self.kv_events is not None:
+            self.kv_events.close()
         if isinstance(self.runner, Publisher):  # the ranks hear the stop from here
             self.runner.send(Shutdown())
             self.runner.close(linger_ms=500)
+
+
+def kv_publisher(ctx: zmq.Context, config: EngineConfig, core: EngineCore) -> KvEventPublisher:
+    """This replica's KV event publisher (--kv-events-endpoint), its port offset by the rank."""
+    assert config.kv_events_endpoint is not None
+    publisher = KvEventPublisher(
+        ctx,
+        config.kv_events_endpoint,
+        replay_endpoint=config.kv_events_replay_endpoint,
+        topic=config.kv_events_topic or "",
+        rank=config.replica,
+        max_queue=config.kv_events_queue,
+        buffer=config.kv_events_buffer,
+        dropped=core.metrics.kv_events_dropped,
+    )
+    log.info("KV events on %s (replay: %s)", publisher.endpoint, publisher.replay_endpoint)
+    return publisher
 
 
 def plan_sender(

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from gapless.common.kv_events import KvEventLog
 from gapless.common.messages import AddRequest, StepResult
 from gapless.core.admit import Admission
 from gapless.core.apply import Applier
@@ -49,8 +50,9 @@ class Scheduler:
         model_salt: str = "",
         # ModelInfo.kv_window: running requests give back the blocks behind it (core/window.py)
         window: int = 0,
+        kv_events: KvEventLog | None = None,  # what the cache's changes are logged to
     ) -> None:
-        self.blocks = BlockManager(num_blocks, block_size, caching=prefix_caching)
+        self.blocks = BlockManager(num_blocks, block_size, prefix_caching, kv_events)
         self.slots = SlotManager(max_num_seqs)
         self.rb = RunningBatch(max_num_seqs, max_model_len)
         self.running = self.rb.running  # admission order; the policy picks whom to preempt

@@ -42,7 +42,7 @@ T = TypeVar("T")
 Handler = Callable[[HttpRequest, Responder, Caller], Awaitable[None]]
 # answered without an API key: probes and scrapers, which operators keep on a private network;
 # --metrics-require-key takes /metrics out (it shows every tenant's name and traffic)
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+OPEN_PATHS = frozenset({"/health", "/live", "/metrics"})
 MODEL_PREFIX = "/v1/models/"
 
 
@@ -52,7 +52,9 @@ class App:
     def __init__(self, state: FrontendState) -> None:
         self.state = state
         self._keys = ApiKeys(state.config)
-        self._open = frozenset({"/health"}) if state.config.metrics_require_key else OPEN_PATHS
+        self._open = (
+            frozenset({"/health", "/live"}) if state.config.metrics_require_key else OPEN_PATHS
+        )
         self._created = int(time.time())
         self._openapi = msgspec.Raw(
             encoder.encode(openapi_document("gapless", version().version, state.config))
@@ -62,9 +64,11 @@ class App:
             "/v1/chat/completions": {"POST": self._chat},
             "/v1/models": {"GET": self._models},
             "/health": {"GET": self._health},
+            "/live": {"GET": self._live},
             "/openapi.json": {"GET": self._openapi_json},
             "/v1/engine/stats": {"GET": self._engine_stats},
             "/v1/engine/timeline": {"GET": self._engine_timeline},
+            "/reset_prefix_cache": {"POST": self._reset_prefix_cache},
             "/metrics": {"GET": self._metrics},
             "/tokenize": {"POST": self._tokenize},
             "/detokenize": {"POST": self._detokenize},
@@ -173,6 +177,28 @@ class App:
             await out.json(503, Health("draining", "shutting down; in-flight requests finish"))
         else:
             await out.json(200, Health("ok"))
+
+    async def _live(self, req: HttpRequest, out: Responder, caller: Caller) -> None:
+        """Liveness, apart from readiness (/health): 200 while the server loads, serves and
+        drains, so that a probe never restarts a pod finishing its work; 503 once the engine
+        is dead (serve exits soon after)."""
+        engine = self.state.engine
+        if not engine.healthy:
+            await out.json(503, Health("dead", engine.dead_reason))
+        else:
+            await out.json(200, Health("alive"))
+
+    async def _reset_prefix_cache(self, req: HttpRequest, out: Responder, caller: Caller) -> None:
+        """Every replica forgets its cached prefixes (routers hear AllBlocksCleared); 409 from
+        a replica where requests hold KV blocks, which keeps its cache."""
+        _check_admin(caller, req.path)
+        engine = self.state.engine
+        asks = [engine.reset_prefix_cache(k) for k in range(engine.num_replicas)]
+        done = [r.done for r in await _from_engine(asyncio.gather(*asks))]
+        if not all(done):
+            raise ApiError(409, f"replicas {[k for k, d in enumerate(done) if not d]} hold "
+                           "requests' KV blocks; reset when idle", code="engine_busy")  # fmt: skip
+        await out.json(200, {"reset": done})
 
     async def _engine_stats(self, req: HttpRequest, out: Responder, caller: Caller) -> None:
         """A core's queues and KV blocks right now (replica 0's, or `?replica=K`'s)."""

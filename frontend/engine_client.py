@@ -29,7 +29,9 @@ from gapless.common.messages import (
     GetStats,
     GetTimeline,
     Heartbeat,
+    PrefixCacheReset,
     QueueState,
+    ResetPrefixCache,
     TextDeltas,
     Timeline,
 )
@@ -159,7 +161,7 @@ class EngineClient:
                 self._stalls[replica] = (msg.stalled_s, msg.usual_s)
             case EngineDead(reason=reason):
                 self._mark_dead(reason)
-            case EngineStats(token=token) | Timeline(token=token):
+            case EngineStats(token=token) | Timeline(token=token) | PrefixCacheReset(token=token):
                 waiter = self._replies.pop(token, None)
                 if waiter is not None and not waiter.done():
                     waiter.set_result(msg)
@@ -254,6 +256,11 @@ class EngineClient:
 
     async def get_stats(self, timeout_s: float = 1.0, replica: int = 0) -> EngineStats:
         return await self._ask(lambda token: GetStats(self.frontend_id, token), timeout_s, replica)
+
+    async def reset_prefix_cache(self, replica: int, timeout_s: float = 2.0) -> PrefixCacheReset:
+        return await self._ask(
+            lambda token: ResetPrefixCache(self.frontend_id, token), timeout_s, replica
+        )
 
     async def get_timeline(self, last: int, timeout_s: float = 2.0, replica: int = 0) -> Timeline:
         return await self._ask(

@@ -119,14 +119,14 @@ class Connection:
         return True
 
 
-OPEN_PATHS = ("/health", "/metrics")  # what a connection past --max-connections may still ask
+OPEN_PATHS = ("/health", "/live", "/metrics")  # what a connection past --max-connections may ask
 OVER_CAP_HEAD_S = 2.0  # s: the head deadline of a connection past --max-connections
 LOG_FIRST = 10  # closes of each reason logged one by one; then one in LOG_EVERY
 LOG_EVERY = 1000
 
 
 def connection_cap(config: EngineConfig) -> tuple[int, int]:
-    """(--max-connections, how many more may come to ask /health or /metrics before a new
+    """(--max-connections, how many more may come to ask /health, /live or /metrics before a new
     connection is answered 503 at once): by default half the file descriptor limit, and an
     eighth of it, so the frontend never runs out of descriptors however many clients hold
     connections."""

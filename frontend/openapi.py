@@ -274,8 +274,10 @@ OPERATION_IDS = {
     "/version": "version",
     "/v1/engine/stats": "engineStats",
     "/v1/engine/timeline": "engineTimeline",
+    "/reset_prefix_cache": "resetPrefixCache",
     "/metrics": "metrics",
     "/health": "health",
+    "/live": "live",
     "/openapi.json": "openapi",
 }
 
@@ -322,6 +324,7 @@ def openapi_document(
         "description": "dead, unresponsive, stalled or draining",
         "content": {"application/json": {"schema": _ref("Health")}},
     }
+    live = _get("Health", "200 while the server lives, loading and draining too (liveness)", 503)
     metrics = _plain("Prometheus text format", "text/plain", 401)
     model = _get("ModelCard", "one model, if it is the served one", 401, 404)
     name = _parameter("model", "path", {"type": "string"}, "the served model's name")
@@ -350,6 +353,11 @@ def openapi_document(
         "a core's queues and KV blocks (the admin key)", "application/json", 400, 401, 403, 503
     )
     stats["get"]["parameters"] = [replica]
+    reset = _plain(
+        "every replica forgets its cached prefixes (the admin key); 409 while requests hold "
+        "KV blocks",
+        "application/json", 401, 403, 409, 503,
+    )  # fmt: skip
     doc = {
         "openapi": "3.1.0",
         "info": {"title": title, "version": version},
@@ -376,8 +384,10 @@ def openapi_document(
             "/version": _get("Version", "the server's version", 401),
             "/v1/engine/stats": stats,
             "/v1/engine/timeline": timeline,
+            "/reset_prefix_cache": {"post": reset["get"]},
             "/metrics": metrics,
             "/health": health,
+            "/live": live,
             "/openapi.json": {
                 "get": {"summary": "this document", "responses": {"200": {"description": "ok"}}}
             },
@@ -389,6 +399,7 @@ def openapi_document(
         doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
         doc["security"] = [{"bearer": []}]
         health["get"]["security"] = []  # why: probes carry no key
+        live["get"]["security"] = []
         if config is None or not config.metrics_require_key:
             metrics["get"]["security"] = []
     return doc

@@ -58,6 +58,7 @@ class Harness:
         self.arrived: dict[str, int] = {}  # the step each request joined before
         self.backlogged: list[set[str]] = []  # per step: tenants with requests waiting
         self.frontend: list = []  # what the core sent frontends (queue states, replies)
+        self.kv_events: list = []  # what the core would publish to routers, each step's a list
         self.finish: dict[str, str] = {}  # the core's end reason
         self.deltas: dict[str, list[TextDelta]] = {}  # what the frontend would receive
         self.steps = 0
@@ -104,6 +105,8 @@ class Harness:
             for msg in out.detok:
                 self._detokenize(msg)
             self.frontend += [msg for _, msg in out.frontend]
+            if out.kv_events:
+                self.kv_events.append(out.kv_events)
             result = self.backend.collect(inflight.popleft()) if inflight else None
             self.steps += 1
             assert self.steps < 10_000, "engine made no progress"
