@@ -29,7 +29,8 @@ def whole(value: Any, name: str, low: int = 1) -> int:
     if ok and not isinstance(value, numbers.Integral):
         ok = math.isfinite(value) and float(value).is_integer()
     if not ok or int(value) < low:
-        raise BadField(name, f"{value!r} must be a whole number of at least {low}")
+        at_least = "0 or more" if low == 0 else f"at least {low}"
+        raise BadField(name, f"{value!r} must be a whole number, {at_least}")
     return int(value)
 
 

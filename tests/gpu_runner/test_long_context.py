@@ -10,7 +10,7 @@ import shutil
 
 import msgspec
 
-from gapless.common.config import max_seq_blocks
+from gapless.common.config import EngineConfig
 from gapless.common.messages import SamplingParams
 from gapless.gpu_runner.batch import batch_for
 from tests.engine_harness import Harness, make_config
@@ -19,15 +19,18 @@ HUGE = 2**32 - 1
 BS = 16
 
 
+def _with_context(config: EngineConfig, tokens: int) -> EngineConfig:
+    return msgspec.structs.replace(
+        config, model=msgspec.structs.replace(config.model, max_model_len=tokens)
+    )
+
+
 def test_block_tables_hold_what_the_cache_holds(tiny_model_dir):
     config = make_config(tiny_model_dir, block_size=BS, max_num_seqs=8)
-    config = msgspec.structs.replace(
-        config, model=msgspec.structs.replace(config.model, max_model_len=HUGE)
-    )
-    batch = batch_for(config, "cpu", num_blocks=100)
-    assert batch.block_table.shape == (8, 99)  # block 0 is never a sequence's
-    assert max_seq_blocks(100, BS, 100) == 7  # a short context keeps its own bound
-    assert max_seq_blocks(HUGE, BS, 2) == 1
+    huge = batch_for(_with_context(config, HUGE), "cpu", 100)
+    assert huge.block_table.shape == (8, 99)  # block 0 is never a sequence's
+    short = batch_for(_with_context(config, 100), "cpu", 100)
+    assert short.block_table.shape == (8, 7)  # a short context keeps its own bound
 
 
 def test_a_context_of_2_32_tokens_is_served_in_the_memory_of_its_cache(tiny_model_dir, tmp_path):

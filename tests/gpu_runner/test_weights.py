@@ -78,7 +78,7 @@ def test_the_loader_holds_the_headers_to_the_arch_before_reading_data(tmp_path: 
     from tests.hostile_models import cut, write_gguf, write_hf
 
     info = resolve_model(str(write_hf(tmp_path / "hf")))
-    arch = msgspec.structs.replace(load_arch(info), num_heads=10**6)  # the config passed by
+    arch = msgspec.structs.replace(load_arch(info), num_heads=10**6)  # a runner given 10^6 heads
     with pytest.raises(ValueError, match=r"model.safetensors: tensor .*q_proj.* \[64, 64\]"):
         load_weights(info, arch, torch.float32)
     path = write_gguf(tmp_path / "m.gguf")
