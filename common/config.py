@@ -639,4 +639,12 @@ def max_useful_blocks(max_num_seqs: int, max_model_len: int, block_size: int) ->
     return max_num_seqs * -(-max_model_len // block_size) + 1
 
 
+def max_seq_blocks(max_model_len: int, block_size: int, num_blocks: int) -> int:
+    """KV blocks one sequence can hold: its context's, and never more than a cache of
+    num_blocks (the reserved block 0 included) has, whatever context the model declares.
+    Everything sized per sequence (the runner's block tables, the core's output ids) is sized
+    by this, so a 10^9-token context costs what the cache holds."""
+    return max(1, min(-(-max_model_len // block_size), num_blocks - 1))
+
+
 CONFIG_ENV = "GAPLESS_CONFIG"

@@ -45,6 +45,8 @@ class _Cursor:
 
     def string(self) -> str:
         n = self.scalar("<Q")
+        if self.pos + n > len(self.buf):
+            raise ValueError(f"a string of {n} bytes at byte {self.pos}, past the end")
         text = self.buf[self.pos : self.pos + n].decode("utf-8")
         self.pos += n
         return text
@@ -69,27 +71,43 @@ class _Cursor:
 
 
 def read_gguf(path: str | Path) -> GGUFFile:
-    """Metadata and tensor directory of a GGUF file (v2/v3), without reading tensor data."""
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        cur = _Cursor(buf)
-        if buf[:4] != b"GGUF":
+    """Metadata and tensor directory of a GGUF file (v2/v3), without reading tensor data;
+    ValueError naming the file (and the field) when the header is cut short or impossible.
+    Whether each tensor's data lies within the file is common/model_check.py's to say."""
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
             raise ValueError(f"{path} is not a GGUF file (bad magic)")
-        cur.pos = 4
-        version = cur.scalar("<I")
-        if version < 2:
-            raise ValueError(f"{path}: GGUF version {version} is not supported (need 2 or 3)")
-        num_tensors, num_kv = cur.scalar("<Q"), cur.scalar("<Q")
-        metadata: dict[str, Any] = {}
-        for _ in range(num_kv):
-            key = cur.string()
-            metadata[key] = cur.value(cur.scalar("<I"))
-        infos = []
-        for _ in range(num_tensors):
-            name = cur.string()
-            ndim = cur.scalar("<I")
-            dims = [cur.scalar("<Q") for _ in range(ndim)]
-            infos.append((name, tuple(reversed(dims)), cur.scalar("<I"), cur.scalar("<Q")))
-        align = int(metadata.get("general.alignment", 32))
-        data_start = (cur.pos + align - 1) // align * align
+        f.seek(0)
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+            try:
+                return _read(str(path), buf)
+            except (struct.error, UnicodeDecodeError, ValueError) as e:
+                if str(e).startswith(str(path)):
+                    raise
+                raise ValueError(f"{path}: the GGUF header is cut short or corrupt ({e})") from None
+
+
+def _read(path: str, buf: mmap.mmap) -> GGUFFile:
+    cur = _Cursor(buf)
+    cur.pos = 4
+    version = cur.scalar("<I")
+    if version not in (2, 3):
+        raise ValueError(f"{path}: GGUF version {version} is not supported (need 2 or 3)")
+    num_tensors, num_kv = cur.scalar("<Q"), cur.scalar("<Q")
+    metadata: dict[str, Any] = {}
+    for _ in range(num_kv):
+        key = cur.string()
+        metadata[key] = cur.value(cur.scalar("<I"))
+    infos = []
+    for _ in range(num_tensors):
+        name = cur.string()
+        ndim = cur.scalar("<I")
+        dims = [cur.scalar("<Q") for _ in range(ndim)]
+        infos.append((name, tuple(reversed(dims)), cur.scalar("<I"), cur.scalar("<Q")))
+    align = metadata.get("general.alignment", 32)
+    # llama.cpp's rule: a power of two
+    if not isinstance(align, int) or align <= 0 or align & (align - 1):
+        raise ValueError(f"{path}: general.alignment {align!r} is not a positive power of two")
+    data_start = (cur.pos + align - 1) // align * align
     tensors = {n: GGUFTensor(n, shape, qtype, data_start + off) for n, shape, qtype, off in infos}
-    return GGUFFile(str(path), metadata, tensors)
+    return GGUFFile(path, metadata, tensors)

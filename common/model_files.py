@@ -7,6 +7,7 @@ families and their options are in common/families/.
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -22,16 +23,26 @@ from gapless.common.gguf_file import GGUFFile, GGUFTensor, read_gguf
 from gapless.common.gguf_tokenizer import gguf_tokenizer
 from gapless.common.model_cache import default_model_path
 
-__all__ = ["GGUFFile", "GGUFTensor", "ModelArch", "gguf_meta", "load_arch", "load_tokenizer",
-           "read_gguf", "resolve_model"]  # fmt: skip
+__all__ = ["GGUFFile", "GGUFTensor", "ModelArch", "gguf_meta", "gguf_vocab_size", "load_arch",
+           "load_tokenizer", "model_path", "read_gguf", "read_json", "resolve_model"]  # fmt: skip
 
 
 def _is_gguf(path: Path) -> bool:
     return path.is_file() and path.suffix == ".gguf"
 
 
-def _read_json(path: Path) -> dict:
-    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+def read_json(path: Path) -> dict:
+    """A JSON object file's contents ({} when there is none); ValueError naming the file and
+    where its syntax breaks."""
+    if not path.is_file():
+        return {}
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: a JSON {type(value).__name__}, not an object")
+    return value
 
 
 def _token_text(value: Any) -> str | None:
@@ -95,13 +106,13 @@ def _adds_bos(tokenizer_json: dict, bos: str | None) -> bool:
 
 def _resolve_hf(path: Path, cap: int | None) -> ModelInfo:
     _check_dir(path)
-    raw = _read_json(path / "config.json")
+    raw = read_json(path / "config.json")
     family, config = families.read_config(raw, str(path / "config.json"))
     # why here: a family's refusal before any spawn
-    arch = families.arch_from_config(raw, str(path))
-    tok_config = _read_json(path / "tokenizer_config.json")
-    tok_json = _read_json(path / "tokenizer.json")
-    gen_config = _read_json(path / "generation_config.json")
+    arch = families.arch_from_config(raw, str(path / "config.json"))
+    tok_config = read_json(path / "tokenizer_config.json")
+    tok_json = read_json(path / "tokenizer.json")
+    gen_config = read_json(path / "generation_config.json")
     eos_text = _token_text(tok_config.get("eos_token"))
     bos_text = _token_text(tok_config.get("bos_token"))
     eos = _ids(raw.get("eos_token_id")) + _ids(config.get("eos_token_id"))
@@ -147,8 +158,8 @@ def _with_tokenizer(info: ModelInfo, source: str) -> ModelInfo:
     path = hub.local_path(source, tokenizer_only=True)
     if not (path / "tokenizer.json").is_file():
         raise ValueError(f"--tokenizer {source}: {path} has no tokenizer.json")
-    tok_config = _read_json(path / "tokenizer_config.json")
-    tok_json = _read_json(path / "tokenizer.json")
+    tok_config = read_json(path / "tokenizer_config.json")
+    tok_json = read_json(path / "tokenizer.json")
     bos_text = _token_text(tok_config.get("bos_token"))
     add_bos = tok_config.get("add_bos_token")
     if add_bos is None:
@@ -163,7 +174,7 @@ def _with_tokenizer(info: ModelInfo, source: str) -> ModelInfo:
     )
 
 
-def _gguf_vocab_size(gguf: GGUFFile, arch: str) -> int:
+def gguf_vocab_size(gguf: GGUFFile, arch: str) -> int:
     if f"{arch}.vocab_size" in gguf.metadata:
         return int(gguf.metadata[f"{arch}.vocab_size"])
     if "tokenizer.ggml.tokens" in gguf.metadata:
@@ -186,13 +197,21 @@ def _resolve_gguf(path: Path, cap: int | None) -> ModelInfo:
     return ModelInfo(
         path=str(path),
         architecture=family.name,
-        vocab_size=_gguf_vocab_size(gguf, name),
+        vocab_size=gguf_vocab_size(gguf, name),
         max_model_len=min(context, cap) if cap else context,
         eos_token_ids=_unique(eos),
         bos_token_id=None if bos is None else int(bos),
         add_bos_token=bool(add_bos),
         chat_template=meta.get("tokenizer.chat_template"),
     )  # kv_window stays 0: no family reads a window over every layer from GGUF metadata
+
+
+def model_path(model: str | None) -> Path:
+    """Where the model's files are: a path, a Hub id's local snapshot, or None's default."""
+    path = hub.local_path(model) if model is not None else default_model_path()
+    if not path.exists():
+        raise ValueError(f"model path {path} does not exist")
+    return path
 
 
 def resolve_model(
@@ -203,9 +222,7 @@ def resolve_model(
     directory or Hub id."""
     if max_model_len is not None and max_model_len <= 0:
         raise ValueError(f"max_model_len must be positive, got {max_model_len}")
-    path = hub.local_path(model) if model is not None else default_model_path()
-    if not path.exists():
-        raise ValueError(f"model path {path} does not exist")
+    path = model_path(model)
     if path.is_dir():
         info = _resolve_hf(path, max_model_len)
     elif _is_gguf(path):
@@ -225,8 +242,9 @@ def gguf_meta(gguf: GGUFFile) -> GGUFMeta:
 
     def read_f32(name: str) -> np.ndarray:
         t = gguf.tensors[name]
-        assert t.qtype == 0, f"{gguf.path}: {name} is not F32"  # GGMLQuantizationType.F32
-        count = int(np.prod(t.shape))
+        count = math.prod(t.shape)
+        if t.qtype != 0 or t.offset + 4 * count > Path(gguf.path).stat().st_size:  # 0: F32
+            raise ValueError(f"{gguf.path}: {name} is not {count} F32 values within the file")
         return np.fromfile(gguf.path, dtype="<f4", count=count, offset=t.offset)
 
     return GGUFMeta(gguf.path, arch, gguf.metadata, frozenset(gguf.tensors), read_f32)
@@ -236,10 +254,11 @@ def load_arch(info: ModelInfo) -> ModelArch:
     """Architecture of a resolved model, from config.json or GGUF metadata."""
     path = Path(info.path)
     if path.is_dir():
-        return families.arch_from_config(_read_json(path / "config.json"), str(path))
+        config = path / "config.json"
+        return families.arch_from_config(read_json(config), str(config))
     gguf = read_gguf(path)
     meta = gguf_meta(gguf)
-    return families.arch_from_gguf(meta, _gguf_vocab_size(gguf, meta.arch))
+    return families.arch_from_gguf(meta, gguf_vocab_size(gguf, meta.arch))
 
 
 # ---------------------------------------------------------------------------------------------

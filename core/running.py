@@ -16,7 +16,9 @@ from gapless.core.rows import FIELDS, Rows
 
 
 class RunningBatch:
-    def __init__(self, num_slots: int, max_model_len: int) -> None:
+    def __init__(self, num_slots: int, max_model_len: int, max_seq_len: int) -> None:
+        """max_seq_len: tokens one sequence can reach here, the KV cache's bound on
+        max_model_len."""
         s = num_slots
         self.req: list[Request | None] = [None] * s
         self.running: list[Request] = []  # admission order; the policy picks whom to preempt
@@ -36,7 +38,7 @@ class RunningBatch:
         # leading blocks given back, out of a sliding window (core/window.py); the runner's
         # table keeps them, so num_blocks and num_sent still count them
         self.num_freed = np.zeros(s, np.int64)
-        self.out = np.zeros((s, max_model_len), np.int64)  # [slot, output index] ids
+        self.out = np.zeros((s, max_seq_len), np.int64)  # [slot, output index] ids
         self.max_model_len = max_model_len
         self.num_released = 0  # releases so far: none since a step was planned, all rows live
         self._rows: Rows | None = None  # the running set's view, until the set changes

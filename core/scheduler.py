@@ -19,6 +19,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from gapless.common.config import max_seq_blocks
 from gapless.common.kv_events import KvEventLog
 from gapless.common.messages import AddRequest, StepResult
 from gapless.core.admit import Admission
@@ -54,7 +55,9 @@ class Scheduler:
     ) -> None:
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching, kv_events)
         self.slots = SlotManager(max_num_seqs)
-        self.rb = RunningBatch(max_num_seqs, max_model_len)
+        # a sequence never outgrows the cache (fits_ever), whatever context the model declares
+        longest = max_seq_blocks(max_model_len, block_size, num_blocks) * block_size
+        self.rb = RunningBatch(max_num_seqs, max_model_len, min(max_model_len, longest))
         self.running = self.rb.running  # admission order; the policy picks whom to preempt
         self.prefix = PrefixCache(self.blocks, self.rb, prefix_caching, model_salt)
         self.max_num_seqs = max_num_seqs

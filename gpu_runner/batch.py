@@ -17,7 +17,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from gapless.common.config import EngineConfig
+from gapless.common.config import EngineConfig, max_seq_blocks
 from gapless.common.messages import StepPlan
 from gapless.gpu_runner.attention import StepLayout
 from gapless.gpu_runner.graph import capture_sizes, padded_size
@@ -115,6 +115,12 @@ class PersistentBatch:
     @property
     def max_blocks_per_seq(self) -> int:
         return self.block_table.shape[1]
+
+    def resize_tables(self, max_blocks_per_seq: int) -> None:
+        """Block tables of another length, while no slot is in use (the cuda runner's, once
+        its KV cache is sized)."""
+        assert not self.active.any(), "block tables resized with slots in use"
+        self.block_table = np.zeros((len(self.active), max_blocks_per_seq), dtype=np.int64)
 
     def add(self, slot: int) -> None:
         assert not self.active[slot], f"slot {slot} added twice"
@@ -234,11 +240,14 @@ class PersistentBatch:
         )
 
 
-def batch_for(config: EngineConfig, device, staging: MakeStaging | None = None) -> PersistentBatch:
-    """The batch of a runner with this config: a seat per sequence, a table row per token of
-    the largest step or padded decode."""
+def batch_for(
+    config: EngineConfig, device, num_blocks: int, staging: MakeStaging | None = None
+) -> PersistentBatch:
+    """The batch of a runner with this config and a KV cache of num_blocks: a seat per
+    sequence, a table row per token of the largest step or padded decode, and per seat a
+    block table as long as a sequence can be in that cache (config.max_seq_blocks)."""
     rows = max(config.max_num_batched_tokens, capture_sizes(config.max_num_seqs)[-1])
-    max_blocks = -(-config.model.max_model_len // config.block_size)
+    max_blocks = max_seq_blocks(config.model.max_model_len, config.block_size, num_blocks)
     return PersistentBatch(
         config.max_num_seqs, max_blocks, config.block_size, rows, device, staging
     )

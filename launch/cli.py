@@ -221,14 +221,21 @@ def config_from_args(
 ) -> EngineConfig:
     from gapless.common.hub import is_hub_id
     from gapless.common.model_cache import DEFAULT_NAME
-    from gapless.common.model_files import resolve_model
+    from gapless.common.model_check import check_model
+    from gapless.common.model_files import model_path, resolve_model
 
     keys, tenants, admin = (
         read_keys_file(args.api_keys_file) if args.api_keys_file else KeysFile({}, {}, ())
     )
     for tenant, weight in args.tenant_weight or ():
         tenants[tenant] = msgspec.structs.replace(tenants.get(tenant, TenantSpec()), weight=weight)
-    info = resolve_model(args.model, args.max_model_len, args.tokenizer)
+    path = model_path(args.model)
+    # why before resolve_model and any spawn: a bad file is refused from its headers, in
+    # bounded time and memory, not by a process that builds what it claims. sim reads no
+    # weights: a GGUF there may be a tokenizer alone (bench/gpu_check's)
+    if args.device != "sim" or path.is_dir():
+        check_model(path)
+    info = resolve_model(str(path), args.max_model_len, args.tokenizer)
     if args.served_model_name:
         name = args.served_model_name
     elif args.model and is_hub_id(args.model):

@@ -5,7 +5,12 @@ transformers (tests/gpu_runner/test_families.py)."""
 
 from __future__ import annotations
 
+import contextlib
+import re
+from collections.abc import Callable, Iterable, Iterator
+
 from gapless.common.families.base import (
+    BadField,
     Family,
     GGUFMeta,
     ModelArch,
@@ -13,6 +18,7 @@ from gapless.common.families.base import (
     gguf_shapes,
     shapes,
 )
+from gapless.common.families.checks import check_arch, gguf_key, hf_key
 from gapless.common.families.gemma2 import GEMMA2
 from gapless.common.families.gemma3 import GEMMA3
 from gapless.common.families.llama import LLAMA
@@ -65,15 +71,60 @@ def read_config(raw: dict, source: str) -> tuple[Family, dict]:
     return fam, {**fam.defaults, **(config if isinstance(config, dict) else raw)}
 
 
-def arch_from_config(raw: dict, source: str) -> ModelArch:
+@contextlib.contextmanager
+def naming(source: str, key: Callable[[str], str]) -> Iterator[None]:
+    """A BadField, or a value of the wrong kind, raised in the block as a ValueError that names
+    the file and the file's key for the field."""
+    try:
+        yield
+    except BadField as e:
+        raise ValueError(f"{source}: {key(e.field)} {e.why}") from None
+    except KeyError as e:
+        raise ValueError(f"{source}: {e.args[0]} is missing") from None
+    except (TypeError, ZeroDivisionError, OverflowError) as e:
+        raise ValueError(f"{source}: a value of the wrong kind ({e})") from None
+
+
+def layers_in(names: Iterable[str], prefix: str) -> int:
+    """How many layers a file's tensor names hold: the distinct N of `prefix`N. (n layers need
+    n of them, however high one name claims to be)."""
+    pattern = re.compile(re.escape(prefix) + r"(\d+)\.")
+    found = (pattern.match(name) for name in names)
+    return len({m.group(1) for m in found if m})
+
+
+def _bound_layers(fields: dict, held: int | None, where: str) -> None:
+    """Refuse a layer count beyond the layers the weights hold, by arithmetic, before the
+    family builds any per-layer list."""
+    n = fields["num_layers"]
+    if held is not None and n > held:
+        raise BadField("num_layers", f"{n}: {where} hold {held} layers")
+
+
+def arch_from_config(raw: dict, source: str, held_layers: int | None = None) -> ModelArch:
+    """The decoder of a config.json (`source` names it), its numbers checked; held_layers: the
+    layers the weights hold, where known (model_check.py), which the config may not pass."""
     fam, config = read_config(raw, source)
-    return ModelArch(architecture=fam.name, **{**shapes(config), **fam.options(config)})
+    with naming(source, lambda field: hf_key(field, config)):
+        fields = shapes(config)
+        _bound_layers(fields, held_layers, "the safetensors")
+        arch = ModelArch(architecture=fam.name, **{**fields, **fam.options(config)})
+        check_arch(arch, fam.moe)
+    return arch
 
 
 def arch_from_gguf(meta: GGUFMeta, vocab_size: int) -> ModelArch:
+    """The decoder of a GGUF file's metadata, its numbers checked (its block count against
+    the blocks its tensors hold)."""
     fam = for_gguf(meta.arch, bool(meta.metadata.get(f"{meta.arch}.expert_count")), meta.path)
-    fields = {**gguf_shapes(meta, vocab_size), **gguf_experts(meta), **fam.gguf_options(meta)}
-    renormalize = meta.metadata.get(f"{meta.arch}.expert_weights_norm")
-    if renormalize is not None:  # newer llama.cpp files say it; older ones by architecture
-        fields["norm_topk_prob"] = bool(renormalize)
-    return ModelArch(architecture=fam.name, **fields)
+    with naming(meta.path, lambda field: gguf_key(field, meta.arch)):
+        fields = gguf_shapes(meta, vocab_size)
+        _bound_layers(fields, layers_in(meta.tensors, "blk."), "its tensors")
+        fields.update(gguf_experts(meta))
+        fields.update(fam.gguf_options(meta))
+        renormalize = meta.metadata.get(f"{meta.arch}.expert_weights_norm")
+        if renormalize is not None:  # newer llama.cpp files say it; older ones by architecture
+            fields["norm_topk_prob"] = bool(renormalize)
+        arch = ModelArch(architecture=fam.name, **fields)
+        check_arch(arch, fam.moe)
+    return arch

@@ -5,12 +5,40 @@ the core read these too; the layers live in gpu_runner/model/."""
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 import numpy as np
+
+
+class BadField(ValueError):
+    """A value a decoder cannot take; `field` is ModelArch's name for it (dotted below
+    rope_scaling: "rope_scaling.factor")."""
+
+    def __init__(self, field: str, why: str) -> None:
+        super().__init__(why)
+        self.field, self.why = field, why
+
+
+def whole(value: Any, name: str, low: int = 1) -> int:
+    """value as an int of at least `low`; a float only when it is whole (JSON's 4.0)."""
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if ok and not isinstance(value, numbers.Integral):
+        ok = math.isfinite(value) and float(value).is_integer()
+    if not ok or int(value) < low:
+        at_least = "0 or more" if low == 0 else f"at least {low}"
+        raise BadField(name, f"{value!r} must be a whole number, {at_least}")
+    return int(value)
+
+
+def real(value: Any, name: str) -> float:
+    """value as a float (NaN and infinities too: check_arch says which are allowed)."""
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        raise BadField(name, f"{value!r} is not a number")
+    return float(value)
 
 
 class ModelArch(msgspec.Struct, frozen=True, kw_only=True):
@@ -141,44 +169,56 @@ def rope_scaling(params: dict, config: dict) -> dict | None:
     kind = {"su": "longrope", "mrope": "default"}.get(kind, kind)
     if kind in (None, "default"):
         return None
+    if kind not in ("linear", "dynamic", "llama3", "yarn", "longrope"):
+        raise NotImplementedError(
+            f"rope scaling {kind!r} is not supported "
+            "(supported: linear, dynamic, yarn, longrope, llama3)"
+        )
     original = params.get("original_max_position_embeddings") or config.get(
         "original_max_position_embeddings"
     )
-    if kind == "linear":
-        return {"rope_type": kind, "factor": float(params["factor"])}
-    if kind == "dynamic":
-        return {"rope_type": kind, "factor": float(params["factor"])}
+    params = {**params, "original_max_position_embeddings": original}
+
+    def need(key: str) -> Any:
+        if params.get(key) is None:
+            raise BadField(f"rope_scaling.{key}", f"is missing; rope_type {kind} needs it")
+        return params[key]
+
+    def number(key: str) -> float:
+        return real(need(key), f"rope_scaling.{key}")
+
+    def count(key: str) -> int:
+        return whole(need(key), f"rope_scaling.{key}")
+
+    if kind in ("linear", "dynamic"):
+        return {"rope_type": kind, "factor": number("factor")}
     if kind == "llama3":
         return {
             "rope_type": kind,
-            "factor": float(params["factor"]),
-            "low_freq_factor": float(params["low_freq_factor"]),
-            "high_freq_factor": float(params["high_freq_factor"]),
-            "original_max_position_embeddings": int(params["original_max_position_embeddings"]),
+            "factor": number("factor"),
+            "low_freq_factor": number("low_freq_factor"),
+            "high_freq_factor": number("high_freq_factor"),
+            "original_max_position_embeddings": count("original_max_position_embeddings"),
         }
+    original = count("original_max_position_embeddings")
     if kind == "yarn":
-        out = {"rope_type": kind, "original_max_position_embeddings": int(original)}
+        out = {"rope_type": kind, "original_max_position_embeddings": original}
         for key in ("factor", "attention_factor", "beta_fast", "beta_slow", "mscale",
                     "mscale_all_dim"):  # fmt: skip
             if params.get(key) is not None:
-                out[key] = float(params[key])
+                out[key] = number(key)
         out["truncate"] = bool(params.get("truncate", True))
         return out
-    if kind == "longrope":
-        out = {
-            "rope_type": kind,
-            "short_factor": [float(x) for x in params["short_factor"]],
-            "long_factor": [float(x) for x in params["long_factor"]],
-            "original_max_position_embeddings": int(original),
-        }
-        for key in ("factor", "attention_factor"):
-            if params.get(key) is not None:
-                out[key] = float(params[key])
-        return out
-    raise NotImplementedError(
-        f"rope scaling {kind!r} is not supported "
-        "(supported: linear, dynamic, yarn, longrope, llama3)"
-    )
+    out = {"rope_type": kind, "original_max_position_embeddings": original}
+    for key in ("short_factor", "long_factor"):
+        factors = need(key)
+        if not isinstance(factors, list):
+            raise BadField(f"rope_scaling.{key}", f"{factors!r} is not a list of numbers")
+        out[key] = [real(x, f"rope_scaling.{key}") for x in factors]
+    for key in ("factor", "attention_factor"):
+        if params.get(key) is not None:
+            out[key] = number(key)
+    return out
 
 
 def rope_attention_factor(scaling: dict | None, max_position: int) -> float:
@@ -203,33 +243,40 @@ def rope_attention_factor(scaling: dict | None, max_position: int) -> float:
 
 def context_length(config: dict) -> int:
     """Positions the model takes: max_position_embeddings, or YaRN's stretched context."""
-    context = int(config.get("max_position_embeddings", 2048))
+    context = whole(config.get("max_position_embeddings", 2048), "max_position")
     params = rope_params(config)
     if params.get("rope_type", params.get("type")) == "yarn" and params.get("factor"):
         original = params.get("original_max_position_embeddings")
-        if original:
-            context = max(context, int(original * float(params["factor"])))
+        factor = real(params["factor"], "rope_scaling.factor")
+        if original and math.isfinite(factor) and factor > 0:
+            original = whole(original, "rope_scaling.original_max_position_embeddings")
+            context = max(context, int(original * factor))
     return context
 
 
 def shapes(config: dict) -> dict:
     """ModelArch's shared fields from a config.json (family defaults filled in)."""
-    heads = int(config["num_attention_heads"])
-    hidden = int(config["hidden_size"])
-    head_dim = int(config.get("head_dim") or hidden // heads)
+    heads = whole(config.get("num_attention_heads"), "num_heads")
+    hidden = whole(config.get("hidden_size"), "hidden_size")
+    head_dim = head_size(config.get("head_dim"), hidden, heads)
     params = rope_params(config)
     theta = params.get("rope_theta", config.get("rope_theta"))
-    partial = float(params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)))
+    partial = real(
+        params.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0)),
+        "rotary_dim",
+    )
+    if not 0 < partial <= 1:
+        raise BadField("rotary_dim", f"{partial} must be a share of the head, above 0")
     return dict(
-        vocab_size=int(config["vocab_size"]),
+        vocab_size=whole(config.get("vocab_size"), "vocab_size"),
         hidden_size=hidden,
-        intermediate_size=int(config.get("intermediate_size") or 0),
-        num_layers=int(config["num_hidden_layers"]),
+        intermediate_size=whole(config.get("intermediate_size") or 0, "intermediate_size", 0),
+        num_layers=whole(config.get("num_hidden_layers"), "num_layers"),
         num_heads=heads,
-        num_kv_heads=int(config.get("num_key_value_heads") or heads),
+        num_kv_heads=whole(config.get("num_key_value_heads") or heads, "num_kv_heads"),
         head_dim=head_dim,
-        rope_theta=float(theta if theta is not None else 10000.0),
-        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        rope_theta=real(theta if theta is not None else 10000.0, "rope_theta"),
+        rms_norm_eps=real(config.get("rms_norm_eps", 1e-6), "rms_norm_eps"),
         max_position=context_length(config),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         attention_bias=False,
@@ -238,9 +285,18 @@ def shapes(config: dict) -> dict:
     )
 
 
+def head_size(given: Any, hidden: int, heads: int) -> int:
+    """head_dim as given, or hidden / heads where it is implied (then heads must divide it)."""
+    if given:
+        return whole(given, "head_dim")
+    if hidden % heads:
+        raise BadField("num_heads", f"{heads} does not divide hidden size {hidden}")
+    return hidden // heads
+
+
 def sliding(config: dict, layer_types: list[str] | None) -> dict:
     """sliding_window and sliding_layers from a window size and per-layer kinds."""
-    window = int(config.get("sliding_window") or 0)
+    window = whole(config.get("sliding_window") or 0, "sliding_window", low=0)
     if not window or not layer_types:
         return {}
     layers = tuple(i for i, kind in enumerate(layer_types) if kind == "sliding_attention")
@@ -249,7 +305,7 @@ def sliding(config: dict, layer_types: list[str] | None) -> dict:
 
 def every_layer_slides(config: dict) -> dict:
     """A window over every layer (Mistral, Mixtral, Phi-3), where config.json sets one."""
-    n = int(config["num_hidden_layers"])
+    n = whole(config.get("num_hidden_layers"), "num_layers")
     return sliding(config, config.get("layer_types") or ["sliding_attention"] * n)
 
 
@@ -265,20 +321,21 @@ def check_act(config: dict, key: str = "hidden_act", allowed=("silu",)) -> str:
 
 
 def gguf_shapes(meta: GGUFMeta, vocab_size: int) -> dict:
-    hidden, heads = int(meta.key("embedding_length")), int(meta.key("attention.head_count"))
-    head_dim = int(meta.key("attention.key_length", hidden // heads))
-    rot = int(meta.key("rope.dimension_count", head_dim))
+    hidden = whole(meta.key("embedding_length"), "hidden_size")
+    heads = whole(meta.key("attention.head_count"), "num_heads")
+    head_dim = head_size(meta.key("attention.key_length", 0), hidden, heads)
+    rot = whole(meta.key("rope.dimension_count", head_dim), "rotary_dim")
     return dict(
         vocab_size=vocab_size,
         hidden_size=hidden,
-        intermediate_size=int(meta.key("feed_forward_length", 0)),
-        num_layers=int(meta.key("block_count")),
+        intermediate_size=whole(meta.key("feed_forward_length", 0), "intermediate_size", 0),
+        num_layers=whole(meta.key("block_count"), "num_layers"),
         num_heads=heads,
-        num_kv_heads=int(meta.key("attention.head_count_kv", heads)),
+        num_kv_heads=whole(meta.key("attention.head_count_kv", heads), "num_kv_heads"),
         head_dim=head_dim,
-        rope_theta=float(meta.key("rope.freq_base", 10000.0)),
-        rms_norm_eps=float(meta.key("attention.layer_norm_rms_epsilon")),
-        max_position=int(meta.key("context_length")),
+        rope_theta=real(meta.key("rope.freq_base", 10000.0), "rope_theta"),
+        rms_norm_eps=real(meta.key("attention.layer_norm_rms_epsilon"), "rms_norm_eps"),
+        max_position=whole(meta.key("context_length"), "max_position"),
         tie_word_embeddings="output.weight" not in meta.tensors,
         attention_bias="blk.0.attn_q.bias" in meta.tensors,
         o_bias="blk.0.attn_output.bias" in meta.tensors,
@@ -297,27 +354,31 @@ def gguf_rope(meta: GGUFMeta) -> dict | None:
         return {"rope_type": "factors", "factors": meta.read_f32("rope_freqs.weight").tolist()}
     if kind == "none":
         return None
+    if kind not in ("linear", "yarn"):
+        raise NotImplementedError(f"{meta.path}: GGUF rope scaling {kind!r} is not supported")
+    factor = real(meta.key("rope.scaling.factor"), "rope_scaling.factor")
     if kind == "linear":
-        return {"rope_type": "linear", "factor": float(meta.key("rope.scaling.factor"))}
-    if kind == "yarn":
-        return {
-            "rope_type": "yarn",
-            "factor": float(meta.key("rope.scaling.factor")),
-            "original_max_position_embeddings": int(
-                meta.key("rope.scaling.original_context_length")
-            ),
-            "truncate": True,
-        }
-    raise NotImplementedError(f"{meta.path}: GGUF rope scaling {kind!r} is not supported")
+        return {"rope_type": "linear", "factor": factor}
+    original = meta.key("rope.scaling.original_context_length")
+    return {
+        "rope_type": "yarn",
+        "factor": factor,
+        "original_max_position_embeddings": whole(
+            original, "rope_scaling.original_max_position_embeddings"
+        ),
+        "truncate": True,
+    }
 
 
 def gguf_experts(meta: GGUFMeta) -> dict:
     """The routed experts' counts and sizes; {} for a dense file."""
-    count = int(meta.key("expert_count", 0))
+    count = whole(meta.key("expert_count", 0), "num_experts", 0)
     if not count:
         return {}
     return dict(
         num_experts=count,
-        num_experts_per_tok=int(meta.key("expert_used_count")),
-        moe_intermediate_size=int(meta.key("expert_feed_forward_length", 0)),
+        num_experts_per_tok=whole(meta.key("expert_used_count"), "num_experts_per_tok", 0),
+        moe_intermediate_size=whole(
+            meta.key("expert_feed_forward_length", 0), "moe_intermediate_size", 0
+        ),
     )

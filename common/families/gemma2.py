@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from gapless.common.families.base import Family, GGUFMeta, check_act, sliding
+from gapless.common.families.base import BadField, Family, GGUFMeta, check_act, real, sliding
 
 GELU = ("gelu_pytorch_tanh", "gelu")
 # llama.cpp's names for the norms after attention and MLP; its ffn_norm is the one before
@@ -23,12 +23,15 @@ def shared(config: dict) -> dict:
     if config.get("use_bidirectional_attention"):
         raise NotImplementedError("bidirectional attention (an embedding model) is not supported")
     key = "hidden_activation" if config.get("hidden_activation") else "hidden_act"
+    scalar = real(config["query_pre_attn_scalar"], "attn_scale")
+    if not scalar > 0:  # why here: its inverse square root is the scale
+        raise BadField("attn_scale", f"{scalar} must be positive")
     return dict(
         norm_offset=1.0,
         sandwich_norm=True,
         hidden_act=check_act(config, key, GELU),
         embed_scale=float(config["hidden_size"]) ** 0.5,
-        attn_scale=float(config["query_pre_attn_scalar"]) ** -0.5,
+        attn_scale=scalar**-0.5,
         final_softcap=float(config.get("final_logit_softcapping") or 0.0),
         attention_bias=bool(config.get("attention_bias")),
         o_bias=bool(config.get("attention_bias")),

@@ -77,7 +77,7 @@ class CpuBackend:
             num_blocks = tp.min(num_blocks, CPU)
         assert num_blocks >= 2, "--kv-cache-memory holds less than one KV block"
         self.compiled = config.compile and self.use_graphs and tp is None
-        batch = batch_for(config, CPU)
+        batch = batch_for(config, CPU, num_blocks)
         self.attn = self._attention(batch)
         parts = DeviceParts(
             device=CPU,

@@ -62,7 +62,9 @@ class CudaBackend:
             if tp is not None:  # the core sees one pool: what every rank can hold
                 num_blocks = tp.min(num_blocks, device)
         assert num_blocks >= 2, "--kv-cache-memory holds less than one KV block"
-        batch = batch_for(config, device, PinnedTables)
+        # why num_blocks here: where the cache is sized from memory, the warm-up's; the tables
+        # take the final size with the cache (cuda/startup.py)
+        batch = batch_for(config, device, num_blocks, PinnedTables)
         bs = config.block_size
         self.attn = FlashinferAttention(self.arch, bs, batch.max_blocks_per_seq, self.dtype, device)
         self.timeline = EventTimeline()

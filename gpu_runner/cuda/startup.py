@@ -23,7 +23,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from gapless.common.config import EngineConfig, max_useful_blocks
+from gapless.common.config import EngineConfig, max_seq_blocks, max_useful_blocks
 from gapless.gpu_runner.attention import StepLayout
 from gapless.gpu_runner.batch import SLOT_MAPPING
 from gapless.gpu_runner.cuda.memory import GIB, MemoryPlan, kv_cache_blocks, plan_memory
@@ -132,6 +132,10 @@ def size_kv_cache(
     if runner.model.tp is not None:  # the core sees one pool: what every rank can hold
         runner.num_blocks = runner.model.tp.min(runner.num_blocks, runner.device)
     runner.kv_cache = runner.make_kv_cache(runner.num_blocks)
+    # a sequence's block table as long as this cache lets it be, before any graph holds one
+    runner.batch.resize_tables(max_seq_blocks(c.model.max_model_len, c.block_size,
+                                              runner.num_blocks))  # fmt: skip
+    runner.attn.max_blocks_per_seq = runner.batch.max_blocks_per_seq
     return plan
 
 

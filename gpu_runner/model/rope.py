@@ -81,6 +81,12 @@ class Rope:
 
     def __init__(self, arch: ModelArch, theta: float, scaling: dict | None) -> None:
         self.inv, self.long, self.original, self.factor = inv_freqs(arch, theta, scaling)
+        # why: NaN here makes every logit NaN and every completion empty, silently
+        tables = [self.inv, torch.tensor(self.factor)] + (
+            [self.long] if self.long is not None else []
+        )
+        if not all(torch.isfinite(t).all() for t in tables):
+            raise ValueError(f"RoPE of base {theta} and scaling {scaling} is not finite")
 
     def to(self, device: torch.device) -> Rope:
         self.inv = self.inv.to(device)

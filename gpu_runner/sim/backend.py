@@ -68,7 +68,7 @@ class SimBackend:
         self.rng = np.random.default_rng([config.seed, 0])  # sampled ids, at launch
         self.top_rng = np.random.default_rng([config.seed, 1])  # top-logprob ids, at collect
         slots = config.max_num_seqs
-        self.batch = batch_for(config, "cpu")
+        self.batch = batch_for(config, "cpu", self.num_blocks)
         self.num_logprobs = np.full(slots, -1, dtype=np.int64)  # -1: not asked
         # top-k logprobs of rank r: log(2^-(r+1)), the sampled token at rank 0 (sim)
         k = max(config.max_logprobs, 1)

@@ -167,6 +167,19 @@ def test_request_that_can_never_fit_is_reported():
     assert "KV cache" in s.fits_ever(req)
 
 
+def test_a_context_of_2_32_keeps_output_ids_for_what_the_cache_holds():
+    """A slot's output ids are bounded by the KV blocks (a sequence never holds more), not by
+    the context the model declares: 2^32 - 1 of them per slot was 275 GB here."""
+    s = make_scheduler(num_blocks=7, block_size=4, max_model_len=2**32 - 1)
+    assert s.rb.out.shape == (8, 6 * 4)
+    (req,) = make_requests(s, 1, prompt_len=6, max_tokens=18)  # 24 tokens: the whole cache
+    assert s.fits_ever(req) is None
+    while not req.finished:
+        step = s.schedule()
+        s.update_from_output(step, fake_result(step))
+    assert len(req.output_ids) == 18
+
+
 def test_one_truth_while_running_preempted_and_finished():
     """A request's ids read the same through the Request wherever they live."""
     s = make_scheduler(num_blocks=7, block_size=4)

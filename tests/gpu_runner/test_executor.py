@@ -80,7 +80,7 @@ def config(tiny_model_dir):
 def held_executor(config) -> tuple[StepExecutor, HeldResults]:
     arch = load_arch(config.model)
     model = load_model(config.model, arch, CPU, torch.float32).eval()
-    batch = batch_for(config, CPU)
+    batch = batch_for(config, CPU, 64)
     max_context = batch.max_blocks_per_seq * BS
     attn = TorchAttention(capture_sizes(4)[-1], max_context, BS, arch.scale, kernel=False)
     results = HeldResults()

@@ -104,6 +104,8 @@ def test_a_tight_budget_gives_the_cache_what_is_left(runner, monkeypatch):
     monkeypatch.setattr(startup, "plan_memory", functools.partial(plan_memory, margin=0))
     startup.start(runner, runner.capture, since=0.0, free_at_start=90 * per_block)
     assert runner.num_blocks == 90 - 40 - 10  # 90 % of 100 blocks, less the weights and step
+    # a sequence's block table as long as the cache it got, not the 128 of its context
+    assert runner.batch.max_blocks_per_seq == runner.attn.max_blocks_per_seq == 40 - 1
 
 
 def test_kv_cache_memory_keeps_its_size_and_the_warm_up_leaves_no_trace(

@@ -68,3 +68,21 @@ def test_gguf_weights_equal_transformers(default_gguf: Path) -> None:
     for name, tensor in weights.items():
         assert tensor.shape == state[name].shape, name
         torch.testing.assert_close(tensor, state[name], rtol=0, atol=1e-6, msg=name)
+
+
+def test_the_loader_holds_the_headers_to_the_arch_before_reading_data(tmp_path: Path) -> None:
+    """The runner's own loader refuses a file that does not fit the architecture it was given,
+    naming the tensor, before anything is read or built (common/model_check.py)."""
+    import msgspec
+
+    from tests.hostile_models import cut, write_gguf, write_hf
+
+    info = resolve_model(str(write_hf(tmp_path / "hf")))
+    arch = msgspec.structs.replace(load_arch(info), num_heads=10**6)  # a runner given 10^6 heads
+    with pytest.raises(ValueError, match=r"model.safetensors: tensor .*q_proj.* \[64, 64\]"):
+        load_weights(info, arch, torch.float32)
+    path = write_gguf(tmp_path / "m.gguf")
+    arch = load_arch(resolve_model(str(path)))
+    cut(path, -100)
+    with pytest.raises(ValueError, match="m.gguf: tensor 'blk.1.ffn_down.weight' .*past the end"):
+        load_weights(resolve_model(str(path)), arch, torch.float32)

@@ -7,12 +7,13 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 from typing import Annotated
 
 import msgspec
 import pytest
 
-from gapless.common import model_files
+from gapless.common import model_check, model_files
 from gapless.common.config import (
     EngineConfig,
     ModelInfo,
@@ -109,10 +110,12 @@ class Extended(EngineConfig, frozen=True, kw_only=True):
 def env(monkeypatch):
     monkeypatch.setenv("COLUMNS", WIDE)
     monkeypatch.setenv("GAPLESS_API_KEY", "sekrit")
-    # why: no model files read; config_from_args imports resolve_model when called
+    # why: no model files read; config_from_args imports these when called
     monkeypatch.setattr(
         model_files, "resolve_model", lambda model, max_model_len=None, tokenizer=None: MODEL
     )
+    monkeypatch.setattr(model_files, "model_path", lambda model: Path(model or "default.gguf"))
+    monkeypatch.setattr(model_check, "check_model", lambda path: None)
 
 
 def serve_parser(cls: type[EngineConfig] = EngineConfig) -> argparse.ArgumentParser:
@@ -436,3 +439,23 @@ def test_tp_is_the_tensor_parallel_size_and_a_split_it_cannot_make_is_refused(mo
     for argv, why in refusals.items():
         with pytest.raises(ValueError, match=why):
             serve_config(*argv)
+
+
+def test_serve_refuses_a_hostile_model_before_any_process_starts(tmp_path):
+    """A config that claims a million layers over a 2-layer file: exit 2 naming the file and
+    the key, from the model check (common/model_check.py) before the supervisor spawns
+    anything (tests/common/test_model_check.py holds every other hostile file to it)."""
+    from tests.hostile_models import write_hf
+
+    model = write_hf(tmp_path / "m", num_hidden_layers=10**6)
+    out = subprocess.run(
+        [sys.executable, "-m", "gapless.launch.cli", "serve", "--model", str(model), "--device",
+         "cpu"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 2, out.stderr
+    assert out.stderr == (
+        f"gapless: {model}/config.json: num_hidden_layers 1000000: the safetensors hold 2 layers\n"
+    )
