@@ -100,6 +100,11 @@ class FakeEngine(EngineClient):
                     if task is not None:
                         task.cancel()
 
+    def core_silent_s(self) -> float:
+        """A fake core is always heard from: /health answers by what a test does, not by how
+        long the test took (tests/frontend/test_process_faults.py lets a real one fall silent)."""
+        return 0.0
+
     @property
     def num_in_flight(self) -> int:
         """Requests whose deltas still have a queue in the client's bookkeeping."""
