@@ -1,6 +1,6 @@
 """What makes an AddRequest (or a NewSlot's params) impossible, found before any state changes.
 
-The frontend validates every request (frontend/params.py) before it sends one; the core holds
+The frontend validates every request (frontend/api/params.py) before it sends one; the core holds
 each AddRequest to the same contract whoever sent it, and the runner each new slot's params, so
 one impossible request ends with an error and never reaches the scheduler's asserts, the
 runner's tensors or the detokenizer's tokenizer (common/bad_messages.py).
@@ -44,7 +44,7 @@ def request_problem(msg: AddRequest, config: EngineConfig) -> tuple[str, str] | 
 
 
 def params_problem(p: SamplingParams, config: EngineConfig) -> str | None:
-    """What in p is outside the ranges frontend/params.py allows, else None."""
+    """What in p is outside the ranges frontend/api/params.py allows, else None."""
     floats = (
         ("temperature", p.temperature, 0.0, 2.0, False),
         ("top_p", p.top_p, 0.0, 1.0, True),

@@ -26,9 +26,9 @@ from gapless.common.messages import (
     TokenLogprob,
     TopLogprob,
 )
-from gapless.frontend.engine_client import EngineClient
-from gapless.frontend.queue_view import Ticket
-from gapless.frontend.stream import Job, RequestStream
+from gapless.frontend.api.stream import Job, RequestStream
+from gapless.frontend.engine.client import EngineClient
+from gapless.frontend.engine.queue_view import Ticket
 
 Direct = Callable[[int, TextDelta, float], bool]
 

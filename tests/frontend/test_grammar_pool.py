@@ -17,8 +17,8 @@ import pytest
 import tokenizers
 
 from gapless.common.grammars import json_grammar
-from gapless.frontend.grammar_pool import Busy, GrammarPool, Unavailable, _Slot
-from gapless.frontend.grammar_worker import WorkerInit
+from gapless.frontend.grammar.pool import Busy, GrammarPool, Unavailable, _Slot
+from gapless.frontend.grammar.worker import WorkerInit
 from tests.frontend.hostile_schemas import alive, runaway_schema, wait_gone
 from tests.timing import late_limit_s
 
@@ -184,8 +184,8 @@ def test_workers_die_with_the_frontend(init: WorkerInit, tmp_path) -> None:
     script = textwrap.dedent(
         f"""
         import asyncio, pathlib, sys, time
-        from gapless.frontend.grammar_pool import GrammarPool
-        from gapless.frontend.grammar_worker import WorkerInit
+        from gapless.frontend.grammar.pool import GrammarPool
+        from gapless.frontend.grammar.worker import WorkerInit
         from gapless.common.grammars import json_grammar
         init = WorkerInit(pathlib.Path({str(tok)!r}).read_text(), 49152, (2,), 2**28)
         pool = GrammarPool(init, workers=2, timeout_s=30.0)

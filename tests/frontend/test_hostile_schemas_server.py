@@ -54,7 +54,9 @@ def _frontend(server: Server) -> psutil.Process:
 
 
 def _workers(frontend: psutil.Process) -> list[psutil.Process]:
-    return [p for p in frontend.children() if "grammar_worker" in " ".join(p.cmdline())]
+    return [
+        p for p in frontend.children() if "gapless.frontend.grammar.worker" in " ".join(p.cmdline())
+    ]
 
 
 def _at_rest(procs: list[psutil.Process]) -> tuple[float, float]:

@@ -1,4 +1,4 @@
-"""The nesting bound's measure (frontend/json_depth.py): exact against a plain reading of the
+"""The nesting bound's measure (frontend/http/json_depth.py): exact against a plain reading of the
 bytes, blind to brackets in strings, and linear in the document's size."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from gapless.frontend.json_depth import MAX_JSON_DEPTH, deeper_than, json_depth
+from gapless.frontend.http.json_depth import MAX_JSON_DEPTH, deeper_than, json_depth
 
 
 def _read_depth(doc: bytes) -> int:

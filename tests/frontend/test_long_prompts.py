@@ -44,7 +44,7 @@ class _TokenizerSpy:
 
 
 def test_the_bound_is_the_context_times_the_longest_token(engine) -> None:
-    from gapless.frontend.prompts import max_prompt_chars
+    from gapless.frontend.api.prompts import max_prompt_chars
 
     longest = max(map(len, engine.tokenizer.get_vocab(with_added_tokens=True)))
     assert engine.tokenizer.normalizer is None  # byte-level BPE: one character per byte

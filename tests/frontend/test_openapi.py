@@ -11,7 +11,7 @@ import httpx
 import jsonschema_rs
 import pytest
 
-from gapless.frontend.openapi import below
+from gapless.frontend.api.openapi import below
 from tests.frontend.conftest import MAX_MODEL_LEN, build_app, sse_events
 from tests.frontend.schema_hooks import beyond_the_schema
 

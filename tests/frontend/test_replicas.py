@@ -10,10 +10,10 @@ from prometheus_client import CollectorRegistry
 
 from gapless.common.messages import Abort, AddRequest, Heartbeat, QueueState, SamplingParams
 from gapless.core.kv_blocks import chain_hashes, hash_root
-from gapless.frontend import replicas
-from gapless.frontend.engine_client import EngineClient
-from gapless.frontend.inbox import Inbox
-from gapless.frontend.replicas import ReplicaRouter, routed_counter
+from gapless.frontend.engine import replicas
+from gapless.frontend.engine.client import EngineClient
+from gapless.frontend.engine.inbox import Inbox
+from gapless.frontend.engine.replicas import ReplicaRouter, routed_counter
 from tests.timing import late_limit_s
 
 BS = 16

@@ -18,7 +18,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from gapless.common.messages import AddRequest, TextDelta, TextDeltas
-from gapless.frontend import http
+from gapless.frontend.http import transport as http
 from tests.frontend.conftest import build_app, served
 from tests.frontend.fake_engine import FakeEngine
 from tests.timing import late_limit_s

@@ -11,8 +11,8 @@ import llguidance
 import pytest
 
 from gapless.common.grammars import make_tokenizer
-from gapless.frontend.json_depth import MAX_JSON_DEPTH
-from gapless.frontend.tool_parsers import HermesParser
+from gapless.frontend.api.tool_parsers import HermesParser
+from gapless.frontend.http.json_depth import MAX_JSON_DEPTH
 from tests.frontend.conftest import build_app, sse_events
 
 pytestmark = pytest.mark.anyio
@@ -326,7 +326,7 @@ async def test_strict_function_refuses_what_the_engine_would_ignore(client, engi
 )  # fmt: skip
 def test_a_call_cut_by_max_tokens_is_still_reported(text, name, arguments, content) -> None:
     from gapless.common.messages import TextDelta
-    from gapless.frontend.chat import ChatChunks, _message
+    from gapless.frontend.api.chat import ChatChunks, _message
 
     message, reason = _message(text, "length", HermesParser())
     assert reason == "length"

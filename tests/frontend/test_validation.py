@@ -8,8 +8,8 @@ from typing import Any
 import httpx
 import pytest
 
-from gapless.frontend.asgi import HttpRequest
-from gapless.frontend.json_depth import MAX_JSON_DEPTH
+from gapless.frontend.http.asgi import HttpRequest
+from gapless.frontend.http.json_depth import MAX_JSON_DEPTH
 from tests.frontend.conftest import build_app
 
 pytestmark = pytest.mark.anyio

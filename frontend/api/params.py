@@ -10,8 +10,8 @@ import msgspec
 
 from gapless.common.config import EngineConfig
 from gapless.common.messages import SamplingParams
-from gapless.frontend.errors import ApiError, bad_request
-from gapless.frontend.protocol import SamplingFields
+from gapless.frontend.api.protocol import SamplingFields
+from gapless.frontend.http.errors import ApiError, bad_request
 
 _INT64 = 2**63
 

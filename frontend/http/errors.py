@@ -7,7 +7,7 @@ from typing import TypeVar
 
 import msgspec
 
-from gapless.frontend.json_depth import MAX_JSON_DEPTH, deeper_than
+from gapless.frontend.http.json_depth import MAX_JSON_DEPTH, deeper_than
 
 T = TypeVar("T")
 

@@ -23,11 +23,11 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from gapless.frontend.errors import bad_request, too_deep
-from gapless.frontend.json_depth import deeper_than
-from gapless.frontend.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, Tool
-from gapless.frontend.schema_rules import closed_objects, strict_problem
-from gapless.frontend.structured import Grammars
+from gapless.frontend.api.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, Tool
+from gapless.frontend.api.schema_rules import closed_objects, strict_problem
+from gapless.frontend.api.structured import Grammars
+from gapless.frontend.http.errors import bad_request, too_deep
+from gapless.frontend.http.json_depth import deeper_than
 
 FALLBACK_PROMPT = """You can call functions to help answer. To call one, write
 <tool_call>{{"name": "FUNCTION NAME", "arguments": {{ARGUMENTS AS A JSON OBJECT}}}}</tool_call>

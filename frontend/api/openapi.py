@@ -23,10 +23,9 @@ from gapless.common.config import (
     EngineConfig,
 )
 from gapless.common.messages import KEEP_STEPS
-from gapless.frontend.errors import ErrorResponse
-from gapless.frontend.params import MAX_CACHE_SALT_CHARS, MAX_LOGIT_BIAS
-from gapless.frontend.protocol import ChatCompletionRequest, CompletionRequest
-from gapless.frontend.responses import (
+from gapless.frontend.api.params import MAX_CACHE_SALT_CHARS, MAX_LOGIT_BIAS
+from gapless.frontend.api.protocol import ChatCompletionRequest, CompletionRequest
+from gapless.frontend.api.replies import (
     ChatCompletion,
     ChatCompletionChunk,
     Completion,
@@ -34,13 +33,14 @@ from gapless.frontend.responses import (
     ModelCard,
     ModelList,
 )
-from gapless.frontend.utility_routes import (
+from gapless.frontend.api.utility_routes import (
     DetokenizeRequest,
     DetokenizeResponse,
     TokenizeRequest,
     TokenizeResponse,
     Version,
 )
+from gapless.frontend.http.errors import ErrorResponse
 
 _REF = "#/components/schemas/{name}"
 
@@ -146,7 +146,7 @@ def _token_ids(config: EngineConfig, **extra: Any) -> dict[str, Any]:
 
 
 def _prompt(config: EngineConfig) -> dict[str, Any]:
-    """A text, token ids, or a batch of either (frontend.prompts): none empty, ids of the
+    """A text, token ids, or a batch of either (frontend.api.prompts): none empty, ids of the
     vocabulary, fewer ids than the context holds, at most --max-prompts in a batch."""
     text = {"type": "string", "minLength": 1}
     ids = _token_ids(config, minItems=1, maxItems=config.model.max_model_len - 1)
@@ -155,7 +155,7 @@ def _prompt(config: EngineConfig) -> dict[str, Any]:
 
 
 def _ranges(config: EngineConfig) -> dict[str, dict[str, Any]]:
-    """field -> constraints per JSON type, as frontend.params checks them (the limits of the
+    """field -> constraints per JSON type, as frontend.api.params checks them (the limits of the
     running config included), so a schema fuzzer generates what the server accepts."""
     vocab_id = {"minimum": 0, "maximum": config.model.vocab_size - 1}
     logprobs = {"integer": {"minimum": 0, "maximum": config.max_logprobs}}
@@ -221,9 +221,9 @@ def _given(field: str, schema: dict[str, Any]) -> dict[str, Any]:
 
 # fields of a chat request that need another: a JSON Schema `if` / `then` each
 _CHAT_NEEDS = [
-    # top_logprobs needs logprobs set to true (frontend.chat)
+    # top_logprobs needs logprobs set to true (frontend.api.chat)
     (_given("top_logprobs", {"type": "integer"}), _given("logprobs", {"const": True})),
-    # a tool_choice other than none needs tools (frontend.tools)
+    # a tool_choice other than none needs tools (frontend.api.tools)
     (
         _given("tool_choice", {"not": {"enum": ["none", None]}}),
         _given("tools", {"type": "array", "minItems": 1}),
@@ -248,7 +248,7 @@ def _request_rules(components: dict[str, Any], config: EngineConfig) -> None:
     tokenize = components["TokenizeRequest"]
     tokenize["properties"]["prompt"]["anyOf"][0]["minLength"] = 1
     tokenize["properties"]["messages"]["anyOf"][0]["minItems"] = 1
-    # one of prompt or messages, not both (frontend.utility_routes)
+    # one of prompt or messages, not both (frontend.api.utility_routes)
     tokenize["oneOf"] = [
         _given("prompt", {"type": "string"}),
         _given("messages", {"type": "array"}),

@@ -16,7 +16,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from gapless.frontend.json_depth import deeper_than
+from gapless.frontend.http.json_depth import deeper_than
 
 
 @dataclass
