@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup model serve test fairness-http bench soak lint clean gpu-bundle
+.PHONY: setup model serve test test-random fairness-http bench soak lint clean gpu-bundle
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
@@ -27,6 +27,12 @@ serve: model
 TEST_WORKERS ?= 2
 test: model
 	bash tests/suite.sh $(PY) $(TEST_WORKERS) $(PYTEST_ARGS)
+
+# the same suite with its modules and tests in a random order (pytest-randomly; the seed it used
+# is printed at the top): SEED=N repeats an order
+SEED ?=
+test-random: model
+	bash tests/suite.sh $(PY) $(TEST_WORKERS) -p randomly $(if $(SEED),--randomly-seed=$(SEED)) $(PYTEST_ARGS)
 
 # tenant fairness measured over HTTP from the client's side, alone on a quiet machine (the
 # scheduler's fairness is in `make test`, in process)

@@ -1,6 +1,6 @@
 """What makes an AddRequest (or a NewSlot's params) impossible, found before any state changes.
 
-The frontend validates every request (frontend/params.py) before it sends one; the core holds
+The frontend validates every request (frontend/api/params.py) before it sends one; the core holds
 each AddRequest to the same contract whoever sent it, and the runner each new slot's params, so
 one impossible request ends with an error and never reaches the scheduler's asserts, the
 runner's tensors or the detokenizer's tokenizer (common/bad_messages.py).
@@ -12,9 +12,14 @@ import math
 
 from gapless.common.config import MAX_PRIORITY, MIN_PRIORITY, EngineConfig
 from gapless.common.messages import AddRequest, SamplingParams
-
-_INT64 = 2**63
-MAX_LOGIT_BIAS = 100.0  # |bias| the frontend allows
+from gapless.common.sampling_ranges import (
+    FLOAT_RANGES,
+    LOGIT_BIAS,
+    MIN_TOKENS,
+    SEED,
+    logprobs_range,
+    max_tokens_range,
+)
 
 
 def request_problem(msg: AddRequest, config: EngineConfig) -> tuple[str, str] | None:
@@ -44,33 +49,27 @@ def request_problem(msg: AddRequest, config: EngineConfig) -> tuple[str, str] | 
 
 
 def params_problem(p: SamplingParams, config: EngineConfig) -> str | None:
-    """What in p is outside the ranges frontend/params.py allows, else None."""
-    floats = (
-        ("temperature", p.temperature, 0.0, 2.0, False),
-        ("top_p", p.top_p, 0.0, 1.0, True),
-        ("min_p", p.min_p, 0.0, 1.0, False),
-        ("presence_penalty", p.presence_penalty, -2.0, 2.0, False),
-        ("frequency_penalty", p.frequency_penalty, -2.0, 2.0, False),
-        ("repetition_penalty", p.repetition_penalty, 0.0, 10.0, True),
-    )
-    for name, value, low, high, low_open in floats:
-        above = low < value if low_open else low <= value
-        if not (math.isfinite(value) and above and value <= high):
+    """What in p is outside the ranges the frontend allows (common/sampling_ranges.py), else
+    None."""
+    for name, allowed in FLOAT_RANGES.items():
+        value = getattr(p, name)
+        if value not in allowed:
             return f"{name} {value}"
-    if p.max_tokens < 1:
+    # why the low end alone: the frontend fits the budget to the context with the prompt's length
+    if p.max_tokens < (max_tokens_range(config).low or 0):
         return f"max_tokens {p.max_tokens}"
     vocab = config.model.vocab_size
     if not 0 <= p.top_k < vocab:  # 0: off; the frontend sends 0 for -1 and for >= vocab
         return f"top_k {p.top_k}"
-    if p.min_tokens < 0:
+    if p.min_tokens not in MIN_TOKENS:
         return f"min_tokens {p.min_tokens}"
-    if p.seed is not None and not -_INT64 <= p.seed < _INT64:
+    if p.seed is not None and p.seed not in SEED:
         return f"seed {p.seed}"
     for name, k in (("logprobs", p.logprobs), ("prompt_logprobs", p.prompt_logprobs)):
-        if k is not None and not 0 <= k <= config.max_logprobs:
+        if k is not None and k not in logprobs_range(config):
             return f"{name} {k}"
     for i, bias in p.logit_bias:
-        if not (0 <= i < vocab and math.isfinite(bias) and abs(bias) <= MAX_LOGIT_BIAS):
+        if not (0 <= i < vocab and bias in LOGIT_BIAS):
             return f"logit_bias ({i}, {bias})"
     if p.allowed_token_ids is not None and not p.allowed_token_ids:
         return "allowed_token_ids is empty"

@@ -31,7 +31,7 @@ STAGES = (
     "stream",
 )
 FINISH_REASONS = ("stop", "length", "abort", "error")
-# why the server closed or refused a connection (frontend/http.py)
+# why the server closed or refused a connection (frontend/http/transport.py)
 CONNECTION_CLOSES = ("header_timeout", "body_timeout", "idle_evicted", "over_capacity")
 # s; 10 us to 10 s, ~2.5x apart
 STAGE_BUCKETS = (

@@ -14,8 +14,16 @@ from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4
 
 from gapless.common import metrics as core_metrics
 from gapless.common.messages import HEARTBEAT_TIMEOUT_S, KEEP_STEPS
-from gapless.frontend import metrics
-from gapless.frontend.asgi import (
+from gapless.frontend.api.chat import handle_chat
+from gapless.frontend.api.completions import handle_completions
+from gapless.frontend.api.openapi import openapi_document
+from gapless.frontend.api.replies import Health, ModelCard, ModelList
+from gapless.frontend.api.state import FrontendState
+from gapless.frontend.api.utility_routes import handle_detokenize, handle_tokenize, version
+from gapless.frontend.engine.client import EngineDeadError
+from gapless.frontend.engine.tenants import ANONYMOUS, ApiKeys, Caller
+from gapless.frontend.http import metrics
+from gapless.frontend.http.asgi import (
     CHUNK_WRITER,
     ClientGone,
     HttpRequest,
@@ -25,15 +33,7 @@ from gapless.frontend.asgi import (
     Send,
     encoder,
 )
-from gapless.frontend.chat import handle_chat
-from gapless.frontend.completions import handle_completions
-from gapless.frontend.engine_client import EngineDeadError
-from gapless.frontend.errors import ApiError
-from gapless.frontend.openapi import openapi_document
-from gapless.frontend.responses import Health, ModelCard, ModelList
-from gapless.frontend.state import FrontendState
-from gapless.frontend.tenants import ANONYMOUS, ApiKeys, Caller
-from gapless.frontend.utility_routes import handle_detokenize, handle_tokenize, version
+from gapless.frontend.http.errors import ApiError
 
 log = logging.getLogger("gapless.frontend")
 access_log = logging.getLogger("gapless.access")

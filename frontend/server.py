@@ -20,14 +20,14 @@ import zmq
 
 from gapless.common.config import EngineConfig
 from gapless.common.process import ControlReporter, parent_gone, stop_requested
-from gapless.frontend import metrics
-from gapless.frontend.admission import Admission
+from gapless.frontend.api.prompts import Prompter
+from gapless.frontend.api.state import FrontendState
+from gapless.frontend.api.structured import Grammars
 from gapless.frontend.app import App
-from gapless.frontend.engine_client import ZmqEngineClient
-from gapless.frontend.http import bounded_protocol
-from gapless.frontend.prompts import Prompter
-from gapless.frontend.state import FrontendState
-from gapless.frontend.structured import Grammars
+from gapless.frontend.engine.admission import Admission
+from gapless.frontend.engine.client import ZmqEngineClient
+from gapless.frontend.http import metrics
+from gapless.frontend.http.transport import bounded_protocol
 
 log = logging.getLogger("gapless.frontend")
 

@@ -1,11 +1,57 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from gapless.common.model_cache import default_model_path
+from tests.server import SERVER_BUDGET, SERVER_COUNTS_ENV, servers_started
+
+_SERVER_COUNTS = pytest.StashKey[Path]()
+_SERVERS_STARTED = pytest.StashKey[int]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """The run's first process makes the folder where every process counts the servers it
+    starts (tests/server.py); xdist's workers, started after this, inherit its name."""
+    if hasattr(config, "workerinput"):
+        return
+    folder = Path(tempfile.mkdtemp(prefix="gapless-test-servers-"))
+    os.environ[SERVER_COUNTS_ENV] = str(folder)
+    config.stash[_SERVER_COUNTS] = folder
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Past SERVER_BUDGET servers started, all processes summed, the run fails."""
+    folder = session.config.stash.get(_SERVER_COUNTS, None)
+    if folder is None:
+        return
+    started = servers_started(folder)
+    shutil.rmtree(folder, ignore_errors=True)
+    session.config.stash[_SERVERS_STARTED] = started
+    if started > SERVER_BUDGET:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
+    started = config.stash.get(_SERVERS_STARTED, None)
+    if not started:
+        return
+    line = f"servers started: {started} (budget {SERVER_BUDGET}, tests/server.py)"
+    if started <= SERVER_BUDGET:
+        terminalreporter.write_line(line)
+        return
+    terminalreporter.write_line(
+        f"FAILED: {line}: this run started more servers than its budget; share a server "
+        "between tests (a module- or session-scoped fixture), or raise SERVER_BUDGET with the "
+        "reason in its comment",
+        red=True,
+        bold=True,
+    )
 
 
 @pytest.fixture(scope="session")

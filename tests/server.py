@@ -15,6 +15,27 @@ import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# Whole servers (`gapless serve`) one test run may start, all pytest-xdist workers summed; past
+# it the run fails (tests/conftest.py), so growth shows before it costs the suite minutes.
+# Measured: 36 (`make test`, 2026-11-28); raise it with a reason, or share a server instead.
+SERVER_BUDGET = 40
+# the folder where each test process counts the servers it starts, one file per process; the
+# run's first process (xdist's controller) makes it and sums it at the end
+SERVER_COUNTS_ENV = "GAPLESS_TEST_SERVER_COUNTS"
+
+
+def count_server_start() -> None:
+    """Counts one server started, in this process's file of the run's folder."""
+    folder = os.environ.get(SERVER_COUNTS_ENV)
+    if folder:
+        with open(Path(folder) / f"{os.getpid()}.count", "a") as f:
+            f.write("1\n")
+
+
+def servers_started(folder: Path) -> int:
+    """The servers every process of the run counted in folder."""
+    return sum(len(path.read_text().splitlines()) for path in folder.glob("*.count"))
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -26,6 +47,7 @@ class Server:
     def __init__(self, *args: str, startup_timeout: float = 180.0, compile: bool = False) -> None:
         """compile=False serves with --no-compile: a cold compile per server would cost the
         suite minutes; tests/gpu_runner/test_compiled.py covers the compiled step."""
+        count_server_start()
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = dict(os.environ, PYTHONUNBUFFERED="1")

@@ -111,3 +111,35 @@ def test_the_layers():
     }
     wrong = [f"{f} imports gapless.{to}" for f, pkg, to in found if to not in allowed[pkg]]
     assert wrong == []
+
+
+# the frontend's rooms (frontend/__init__.py): room -> the rooms it may import, itself included
+FRONTEND_ROOMS = {
+    "http": {"http"},
+    "engine": {"engine", "http"},
+    "grammar": {"grammar"},  # its worker is a process of its own
+    "api": {"api", "engine", "grammar", "http"},
+}
+FRONTEND_TOP = ["__init__.py", "app.py", "server.py"]  # on top of the rooms
+
+
+def test_the_frontend_rooms():
+    """Every frontend module sits in a room but the router and the process entry; a room
+    imports only the rooms below it, and none imports the top."""
+    frontend = ROOT / "frontend"
+    assert sorted(p.name for p in frontend.glob("*.py")) == FRONTEND_TOP
+    assert {p.name for p in frontend.iterdir() if p.is_dir() and p.name != "__pycache__"} == set(
+        FRONTEND_ROOMS
+    )
+    wrong, seen = [], 0
+    for room, allowed in FRONTEND_ROOMS.items():
+        for f in (frontend / room).rglob("*.py"):
+            for name in _project_imports(f):
+                parts = name.split(".")
+                if parts[:2] != ["gapless", "frontend"]:
+                    continue
+                seen += 1
+                if len(parts) < 3 or parts[2] not in allowed:
+                    wrong.append(f"{f.relative_to(ROOT)} imports {name}")
+    assert seen > 50, "the imports were read"
+    assert wrong == []

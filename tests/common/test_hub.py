@@ -15,8 +15,8 @@ import msgspec
 import pytest
 
 from gapless.common.model_files import resolve_model
-from gapless.frontend.params import sampling_params
-from gapless.frontend.protocol import CompletionRequest
+from gapless.frontend.api.params import sampling_params
+from gapless.frontend.api.protocol import CompletionRequest
 
 ROOT = Path(__file__).resolve().parents[2]
 GENERATION = {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "do_sample": True, "eos_token_id": 2}

@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gapless.shm.frames import ANNOUNCE, MARK
 from tests.server import Server
+from tests.timing import late_limit_s
 
 pytestmark = pytest.mark.slow
 
@@ -198,7 +199,9 @@ def test_killed_supervisor_ends_streams_and_leaves_nothing(default_gguf) -> None
             os.path.exists(f"/proc/{pid}")
             and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
         ):
-            assert time.monotonic() - killed_at < 5, f"{name} still running 5 s after"
+            assert time.monotonic() - killed_at < late_limit_s(1.0), (
+                f"{name} still running long after the kill"
+            )
             time.sleep(0.05)
     deadline = time.monotonic() + 2
     while (os.path.exists(run_dir) or _shm(run_dir)) and time.monotonic() < deadline:

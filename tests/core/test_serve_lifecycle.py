@@ -13,6 +13,7 @@ import httpx
 import pytest
 
 from tests.server import Server
+from tests.timing import late_limit_s
 
 pytestmark = pytest.mark.slow
 
@@ -140,8 +141,8 @@ def test_killed_runner_ends_streams_with_an_error_and_serve_exits(tiny_model_dir
     runner = s.child_pids()["gapless-runner"]
     killed_at = time.monotonic()
     os.kill(runner, signal.SIGKILL)
-    assert done.wait(5), "the stream ended within 5 s"
-    assert time.monotonic() - killed_at < 5
+    assert done.wait(late_limit_s(1.0)), "the stream ended within 1 s"
+    assert time.monotonic() - killed_at < late_limit_s(1.0)
     assert any('"error"' in e for e in events), events[-3:]
     assert httpx.get(s.url + "/health", timeout=2).status_code == 503
     assert s.proc.wait(30) != 0, "serve exits non-zero when the engine dies"

@@ -19,12 +19,12 @@ from prometheus_client import CollectorRegistry
 
 from gapless.common.config import EngineConfig, ModelInfo
 from gapless.common.metrics import FrontendMetrics
-from gapless.frontend import metrics
-from gapless.frontend.admission import Admission
+from gapless.frontend.api.prompts import Prompter
+from gapless.frontend.api.state import FrontendState
 from gapless.frontend.app import App
-from gapless.frontend.http import bounded_protocol
-from gapless.frontend.prompts import Prompter
-from gapless.frontend.state import FrontendState
+from gapless.frontend.engine.admission import Admission
+from gapless.frontend.http import metrics
+from gapless.frontend.http.transport import bounded_protocol
 from tests.frontend.fake_engine import FakeEngine
 
 MODEL = "smol-test"

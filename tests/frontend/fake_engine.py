@@ -26,9 +26,9 @@ from gapless.common.messages import (
     TokenLogprob,
     TopLogprob,
 )
-from gapless.frontend.engine_client import EngineClient
-from gapless.frontend.queue_view import Ticket
-from gapless.frontend.stream import Job, RequestStream
+from gapless.frontend.api.stream import Job, RequestStream
+from gapless.frontend.engine.client import EngineClient
+from gapless.frontend.engine.queue_view import Ticket
 
 Direct = Callable[[int, TextDelta, float], bool]
 
@@ -99,6 +99,11 @@ class FakeEngine(EngineClient):
                     task = self._tasks.pop(rid, None)
                     if task is not None:
                         task.cancel()
+
+    def core_silent_s(self) -> float:
+        """A fake core is always heard from: /health answers by what a test does, not by how
+        long the test took (tests/frontend/test_process_faults.py lets a real one fall silent)."""
+        return 0.0
 
     @property
     def num_in_flight(self) -> int:

@@ -1,7 +1,7 @@
 """Schemathesis hooks for the fuzz run of /openapi.json (SCHEMATHESIS_HOOKS=tests.frontend.schema_hooks).
 
 The document states every rule a JSON Schema can state. A few rules of the server depend on
-more than a body's shape (frontend/openapi.py lists them); a schema-valid body that breaks one
+more than a body's shape (frontend/api/openapi.py lists them); a schema-valid body that breaks one
 is refused with a 400 whose error names the rule. Only those refusals are not failures here:
 each is matched by its error's param (or code) and the start of its message, so any other
 refusal of a schema-valid body still fails the run.

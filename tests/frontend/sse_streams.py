@@ -29,13 +29,13 @@ from uvicorn.server import ServerState
 from gapless.common.config import EngineConfig
 from gapless.common.messages import AddRequest, CoreInput, FrontendInput, TextDelta, TextDeltas
 from gapless.common.metrics import FrontendMetrics
-from gapless.frontend import metrics
-from gapless.frontend.admission import Admission
+from gapless.frontend.api.prompts import Prompter
+from gapless.frontend.api.state import FrontendState
 from gapless.frontend.app import App
-from gapless.frontend.engine_client import EngineClient
-from gapless.frontend.http import bounded_protocol
-from gapless.frontend.prompts import Prompter
-from gapless.frontend.state import FrontendState
+from gapless.frontend.engine.admission import Admission
+from gapless.frontend.engine.client import EngineClient
+from gapless.frontend.http import metrics
+from gapless.frontend.http.transport import bounded_protocol
 
 TEXT = " word"  # every delta's text: one token
 TOKEN = 1801

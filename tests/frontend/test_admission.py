@@ -13,8 +13,8 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from gapless.common.config import TenantSpec
-from gapless.frontend.admission import retry_after_s
 from gapless.frontend.app import App
+from gapless.frontend.engine.admission import retry_after_s
 from gapless.launch.keys_file import read_keys_file
 from tests.frontend.conftest import build_app, sse_events
 from tests.frontend.fake_engine import FakeEngine

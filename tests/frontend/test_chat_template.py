@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from gapless.frontend.chat_template import ChatTemplate
-from gapless.frontend.errors import ApiError
+from gapless.frontend.api.chat_template import ChatTemplate
+from gapless.frontend.http.errors import ApiError
 
 pytestmark = pytest.mark.anyio
 USER = [{"role": "user", "content": "hi"}]

@@ -8,16 +8,16 @@ import msgspec
 import pytest
 
 from gapless.common.messages import TextDelta
-from gapless.frontend.asgi import encoder
-from gapless.frontend.chat import ChatChunks
-from gapless.frontend.completions import CompletionChunks
-from gapless.frontend.responses import (
+from gapless.frontend.api.chat import ChatChunks
+from gapless.frontend.api.completions import CompletionChunks
+from gapless.frontend.api.replies import (
     ChatChunkChoice,
     ChatCompletionChunk,
     ChatDelta,
     Completion,
     CompletionChoice,
 )
+from gapless.frontend.http.asgi import encoder
 
 TEXTS = [" word", "", 'say "content":"" \\ \n\t\x00', "naïve 漢字 🙂", "</s>"]
 # a model name that holds the marker the split looks for, escaped as JSON

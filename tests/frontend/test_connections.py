@@ -1,4 +1,4 @@
-"""Connections bounded in time and number (frontend/http.py, `bounded_protocol`): idle, slow-head
+"""Connections bounded in time and number (frontend/http/transport.py, `bounded_protocol`): idle, slow-head
 and slow-body connections are closed at their deadlines, past --max-connections the longest-idle
 one makes room, /health answers when none is idle, and keep-alive outlasts the clients' reuse.
 
@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from gapless.common.config import EngineConfig
-from gapless.frontend.http import OVER_CAP_HEAD_S, connection_cap
+from gapless.frontend.http.transport import OVER_CAP_HEAD_S, connection_cap
 from tests.frontend.conftest import served
 
 DEADLINE_S = 0.5

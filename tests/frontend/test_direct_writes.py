@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import uvloop
 
-from gapless.frontend.http import chunk_writer
+from gapless.frontend.http.transport import chunk_writer
 from tests.frontend.sse_streams import LiveStreams
 
 

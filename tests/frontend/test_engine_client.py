@@ -23,13 +23,13 @@ from gapless.common.messages import (
     TokenLogprob,
 )
 from gapless.common.process import CORE_IN, frontend_socket
-from gapless.frontend.engine_client import (
+from gapless.frontend.engine.client import (
     EngineClient,
     EngineDeadError,
     StreamCut,
     ZmqEngineClient,
 )
-from gapless.frontend.inbox import Inbox
+from gapless.frontend.engine.inbox import Inbox
 from tests.frontend.fake_engine import request_stream
 
 PARAMS = SamplingParams(max_tokens=4)

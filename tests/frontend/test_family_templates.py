@@ -9,7 +9,7 @@ import json
 import pytest
 from tokenizers import AddedToken, Tokenizer
 
-from gapless.frontend.prompts import Prompter
+from gapless.frontend.api.prompts import Prompter
 from tests.engine_harness import make_config
 from tests.family_models import build
 

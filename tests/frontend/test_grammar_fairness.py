@@ -13,8 +13,8 @@ import pytest
 import tokenizers
 
 from gapless.common.grammars import json_grammar
-from gapless.frontend.grammar_pool import PREEMPT_AFTER_S, Busy, GrammarPool
-from gapless.frontend.grammar_worker import WorkerInit
+from gapless.frontend.grammar.pool import PREEMPT_AFTER_S, Busy, GrammarPool
+from gapless.frontend.grammar.worker import WorkerInit
 from tests.frontend.hostile_schemas import runaway_schema
 
 pytestmark = pytest.mark.anyio

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from gapless.frontend.inbox import IDLE, Inbox
+from gapless.frontend.engine.inbox import IDLE, Inbox
 
 pytestmark = pytest.mark.anyio
 

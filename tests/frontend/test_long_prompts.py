@@ -44,7 +44,7 @@ class _TokenizerSpy:
 
 
 def test_the_bound_is_the_context_times_the_longest_token(engine) -> None:
-    from gapless.frontend.prompts import max_prompt_chars
+    from gapless.frontend.api.prompts import max_prompt_chars
 
     longest = max(map(len, engine.tokenizer.get_vocab(with_added_tokens=True)))
     assert engine.tokenizer.normalizer is None  # byte-level BPE: one character per byte
@@ -164,7 +164,7 @@ async def test_a_text_under_the_cap_of_many_tokens_is_refused_piece_by_piece(
     """Under the character cap but several tokens a character: counted a piece at a time and
     refused once the count passes the context, never tokenized whole (so the tokenizer's
     memory, ~140 bytes a token, stays bounded by the context rather than the body)."""
-    from gapless.frontend.prompts import PIECE_CHARS
+    from gapless.frontend.api.prompts import PIECE_CHARS
 
     app = build_app(make_config(model_overrides={"max_model_len": 4096}), engine)
     prompter = app.state.prompter
@@ -185,7 +185,7 @@ async def test_a_text_under_the_cap_of_many_tokens_is_refused_piece_by_piece(
 
 
 def test_a_long_text_that_fits_gets_the_ids_of_the_whole(make_config, engine) -> None:
-    from gapless.frontend.prompts import PIECE_CHARS, Prompter, text_pieces
+    from gapless.frontend.api.prompts import PIECE_CHARS, Prompter, text_pieces
 
     text = _text(3 * PIECE_CHARS + 123)
     pieces = text_pieces(text, PIECE_CHARS)

@@ -9,13 +9,13 @@ import pytest
 from openai.types import completion_create_params
 from openai.types.chat import completion_create_params as chat_create_params
 
-from gapless.frontend.openai_fields import (
+from gapless.frontend.api.openai_fields import (
     CHAT_REFUSED,
     COMPLETION_REFUSED,
     HARMLESS,
     struct_fields,
 )
-from gapless.frontend.protocol import ChatCompletionRequest, CompletionRequest
+from gapless.frontend.api.protocol import ChatCompletionRequest, CompletionRequest
 from tests.frontend.conftest import sse_events
 
 pytestmark = pytest.mark.anyio

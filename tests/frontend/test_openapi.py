@@ -11,7 +11,8 @@ import httpx
 import jsonschema_rs
 import pytest
 
-from gapless.frontend.openapi import below
+from gapless.common.sampling_ranges import FLOAT_RANGES, LOGIT_BIAS, sampling_ranges
+from gapless.frontend.api.openapi import below
 from tests.frontend.conftest import MAX_MODEL_LEN, build_app, sse_events
 from tests.frontend.schema_hooks import beyond_the_schema
 
@@ -50,6 +51,30 @@ async def test_value_ranges_follow_the_config(make_config, engine) -> None:
     chat = doc["components"]["schemas"]["ChatCompletionRequest"]["properties"]
     assert chat["messages"]["minItems"] == 1
     assert _option(chat["top_logprobs"], "integer")["maximum"] == 5
+
+
+async def test_the_documents_ranges_are_the_tables(make_config, engine) -> None:
+    """Each sampling field's range in the document is common/sampling_ranges.py's, in both
+    generation routes; the output budget is one short of the context (a prompt takes a
+    token)."""
+    config = make_config(max_n=3)
+    doc = await _doc(config, engine)
+    compared = 0
+    for route in ("CompletionRequest", "ChatCompletionRequest"):
+        props = doc["components"]["schemas"][route]["properties"]
+        for name, allowed in sampling_ranges(config).items():
+            if name not in props or (route, name) == ("ChatCompletionRequest", "logprobs"):
+                continue  # a field the route lacks; chat's logprobs is a flag
+            option = _option(props[name], "number" if name in FLOAT_RANGES else "integer")
+            want = allowed.json_schema()
+            if name in ("max_tokens", "max_completion_tokens"):
+                want["maximum"] -= 1
+            keys = ("minimum", "exclusiveMinimum", "maximum")
+            assert {k: option[k] for k in keys if k in option} == want, (route, name)
+            compared += 1
+        bias = _option(props["logit_bias"], "object")["additionalProperties"]
+        assert {k: bias[k] for k in ("minimum", "maximum")} == LOGIT_BIAS.json_schema()
+    assert compared >= 25, compared
 
 
 async def test_auth_is_declared_only_with_a_key(make_config, engine) -> None:

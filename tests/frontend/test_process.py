@@ -60,7 +60,10 @@ def test_sigterm_drains_then_exits(make_config, run_dir: Path) -> None:
         assert ready.role == "frontend0" and ready.info["port"] == port
         url = f"http://127.0.0.1:{port}"
         proc.send_signal(signal.SIGINT)  # the supervisor's signal, not the frontend's
-        assert httpx.get(url + "/health", timeout=5).status_code == 200
+        health = httpx.get(url + "/health", timeout=5)
+        # why not 200: no core beats here, so once startup took past the heartbeat timeout
+        # (a loaded machine) it says unresponsive; a drain would say draining
+        assert health.json()["status"] in ("ok", "unresponsive"), health.text
 
         body: list[str] = []
 

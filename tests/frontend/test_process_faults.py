@@ -32,6 +32,7 @@ from gapless.common.messages import (
 )
 from gapless.common.process import CONTROL, CORE_IN, frontend_socket
 from tests.server import free_port
+from tests.timing import late_limit_s
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = [sys.executable, "-m", "gapless.launch.worker", "frontend", "0"]
@@ -143,7 +144,9 @@ def test_health_says_503_when_the_core_goes_silent(front: Front) -> None:
         assert httpx.get(front.url + "/health", timeout=2).status_code == 200
     silent_at = time.monotonic()
     while (r := httpx.get(front.url + "/health", timeout=2)).status_code == 200:
-        assert time.monotonic() - silent_at < 5, "still healthy 5 s after the last heartbeat"
+        assert time.monotonic() - silent_at < late_limit_s(3.0), (
+            "still healthy long after the last beat (3 s bound)"
+        )
         time.sleep(0.1)
     assert r.status_code == 503 and r.json()["status"] == "unresponsive", r.text
     assert "has not answered" in r.json()["reason"]
@@ -172,11 +175,11 @@ def test_supervisor_death_ends_streams_and_the_frontend(front: Front, run_dir: P
     os.kill(front.proc.pid, signal.SIGKILL)  # the launcher, the frontend's parent
     killed_at = time.monotonic()
     thread.join(5)
-    assert ended and ended[0] - killed_at < 1.0, "the stream ended within 1 s"
+    assert ended and ended[0] - killed_at < late_limit_s(1.0), "the stream ended within 1 s"
     events = _events(lines)
     assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "engine_unavailable", lines
     while _alive(front.pid):
-        assert time.monotonic() - killed_at < 5, "the frontend exited within 5 s"
+        assert time.monotonic() - killed_at < late_limit_s(1.0), "the frontend exited within 1 s"
         time.sleep(0.05)
     assert not run_dir.exists(), "the run directory is removed by the process left"
 

@@ -12,8 +12,8 @@ from gapless.common.messages import (
     TextDelta,
     TextDeltas,
 )
-from gapless.frontend.engine_client import EngineClient
-from gapless.frontend.queue_view import QueueView
+from gapless.frontend.engine.client import EngineClient
+from gapless.frontend.engine.queue_view import QueueView
 from tests.frontend.fake_engine import request_stream
 
 PARAMS = SamplingParams(max_tokens=4)

@@ -10,10 +10,11 @@ from prometheus_client import CollectorRegistry
 
 from gapless.common.messages import Abort, AddRequest, Heartbeat, QueueState, SamplingParams
 from gapless.core.kv_blocks import chain_hashes, hash_root
-from gapless.frontend import replicas
-from gapless.frontend.engine_client import EngineClient
-from gapless.frontend.inbox import Inbox
-from gapless.frontend.replicas import ReplicaRouter, routed_counter
+from gapless.frontend.engine import replicas
+from gapless.frontend.engine.client import EngineClient
+from gapless.frontend.engine.inbox import Inbox
+from gapless.frontend.engine.replicas import ReplicaRouter, routed_counter
+from tests.timing import late_limit_s
 
 BS = 16
 
@@ -166,9 +167,9 @@ def test_queue_counts_add_up_over_replicas_and_health_hears_each_core() -> None:
     client.dispatch(Heartbeat(replica=0))
     assert client.core_silent_s() >= 10  # replica 1's core has been silent
     client.dispatch(Heartbeat(replica=1))
-    assert client.core_silent_s() < 1
+    assert client.core_silent_s() < late_limit_s(0)  # both beat just now
     client.dispatch(Heartbeat(replica=5))  # no such replica: dropped
-    assert client.core_silent_s() < 1
+    assert client.core_silent_s() < late_limit_s(0)
 
 
 def test_a_requests_waiting_tokens_leave_its_replica_once_whatever_ends_it() -> None:

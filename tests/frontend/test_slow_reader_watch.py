@@ -3,7 +3,7 @@ what the transport holds may be waiting on a busy event loop."""
 
 from __future__ import annotations
 
-from gapless.frontend.asgi import Responder, SlowReaderWatch
+from gapless.frontend.http.asgi import Responder, SlowReaderWatch
 
 EVENT = 200  # bytes
 

@@ -10,10 +10,10 @@ import msgspec
 import pytest
 
 from gapless.common.messages import Abort, CoreInput, SamplingParams, TextDelta, TextDeltas
-from gapless.frontend.engine_client import EngineClient, StreamCut
-from gapless.frontend.errors import ApiError
-from gapless.frontend.responses import Usage
-from gapless.frontend.stream import RequestStream
+from gapless.frontend.api.replies import Usage
+from gapless.frontend.api.stream import RequestStream
+from gapless.frontend.engine.client import EngineClient, StreamCut
+from gapless.frontend.http.errors import ApiError
 from tests.frontend.conftest import MAX_MODEL_LEN
 from tests.frontend.fake_engine import FakeEngine, request_stream
 

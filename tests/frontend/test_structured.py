@@ -6,14 +6,17 @@ from __future__ import annotations
 import asyncio
 import os
 import resource
+import signal
 import time
 
 import httpx
 import llguidance
 import pytest
 
+from gapless.common.grammars import json_grammar
 from tests.frontend.conftest import build_app
 from tests.frontend.hostile_schemas import alive, runaway_schema, wait_gone
+from tests.timing import late_limit_s
 
 pytestmark = pytest.mark.anyio
 USER = [{"role": "user", "content": "one two three"}]
@@ -176,6 +179,22 @@ def cpu_s() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+# a runaway schema ends at whichever of the two bounds (`bounded`'s 1 s, the default 256 MiB) a
+# machine reaches first: either verdict is right (tests/frontend/test_grammar_pool.py provokes
+# each on purpose)
+RUNAWAY_VERDICTS = ("did not compile within 1 s", "needs more than the 256 MiB")
+
+
+async def workers_ready(pool) -> None:
+    """Both of the pool's workers up and idle: a compile of two tenants at once takes one worker
+    each, and waits for a replacement to have started."""
+    grammar = json_grammar({"type": "string"}, strict=True)
+    assert await asyncio.gather(*(pool.compile(grammar, f"ready-{i}") for i in range(2))) == [
+        "",
+        "",
+    ]
+
+
 @pytest.fixture
 async def bounded(make_config, engine):
     """A client of an app whose compiles stop at 1 s, and the app's grammar pool."""
@@ -205,10 +224,10 @@ async def test_runaway_schema_is_a_400_and_the_frontend_comes_back_to_rest(bound
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == "response_format.json_schema.schema"
-    assert "did not compile within 1 s" in error["message"]
-    assert took < 2.5, took
-    assert any(wait_gone(p, 1.0) for p in compiling)  # its worker was killed
-    await asyncio.sleep(1.0)  # a replacement starts (its tokenizer view)
+    assert any(verdict in error["message"] for verdict in RUNAWAY_VERDICTS), error
+    assert took < late_limit_s(1.0), took
+    assert any(wait_gone(p, late_limit_s(0)) for p in compiling)  # its worker was killed
+    await workers_ready(pool)
     workers = pool.worker_pids
     assert workers and all(alive(p) for p in workers)
     cpu0, worker_cpu0, wall0 = cpu_s(), sum(map(proc_cpu_s, workers)), time.monotonic()
@@ -218,29 +237,37 @@ async def test_runaway_schema_is_a_400_and_the_frontend_comes_back_to_rest(bound
     assert (sum(map(proc_cpu_s, workers)) - worker_cpu0) / wall < 0.2  # nor in a worker
     rss1 = rss_mb(os.getpid()) + sum(rss_mb(p) for p in workers)
     assert rss1 - rss0 < 300, (rss0, rss1)
-    t0 = time.monotonic()  # the verdict is kept: a repeat costs nothing
+    # the verdict is kept: a repeat reaches no worker (a compile would end one)
     again = await client.post("/v1/chat/completions", json=body)
-    assert again.status_code == 400 and time.monotonic() - t0 < 0.5
+    assert again.status_code == 400 and again.json() == r.json()
+    assert pool.worker_pids == workers and all(alive(p) for p in workers)
 
 
-async def test_the_drain_cut_ends_a_compile_in_flight(bounded, engine) -> None:
+async def test_the_drain_cut_ends_a_compile_in_flight(make_config, engine) -> None:
     """SIGTERM's drain: a request still compiling when the drain runs out gets its 503 then,
-    not when its compile would have ended."""
+    not when its compile would have ended (its workers are stopped, its deadline a minute
+    away)."""
     import uvicorn
 
     from gapless.frontend.server import _Server
 
-    client, pool = bounded
-    body = {"messages": USER, "response_format": json_format(runaway_schema(99), strict=False)}
-    request = asyncio.ensure_future(client.post("/v1/chat/completions", json=body))
-    await asyncio.sleep(0.3)
-    assert not request.done()
-    grammars = client._transport.app.state.prompter.grammars  # type: ignore[attr-defined]
-    server = _Server(uvicorn.Config(None), None, engine, 0.1, grammars)  # type: ignore[arg-type]
-    t0 = time.monotonic()
-    server.cut()
-    r = await asyncio.wait_for(request, 1.0)
-    assert time.monotonic() - t0 < 0.5
+    app = build_app(make_config(grammar_timeout_s=60.0), engine)
+    grammars = app.state.prompter.grammars
+    transport = httpx.ASGITransport(app=app)
+    try:
+        async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=90) as c:
+            await workers_ready(grammars.pool)
+            for pid in grammars.pool.worker_pids:
+                os.kill(pid, signal.SIGSTOP)
+            body = {"messages": USER, "response_format": json_format(SCHEMA)}
+            request = asyncio.ensure_future(c.post("/v1/chat/completions", json=body))
+            await asyncio.sleep(0.3)
+            assert not request.done()
+            server = _Server(uvicorn.Config(None), None, engine, 0.1, grammars)  # type: ignore[arg-type]
+            server.cut()
+            r = await asyncio.wait_for(request, late_limit_s(0))
+    finally:
+        grammars.close()
     assert r.status_code == 503, r.text
     assert "shutting down" in r.json()["error"]["message"]
 
@@ -254,7 +281,8 @@ async def test_ten_runaway_schemas_leave_chat_requests_unharmed(bounded, engine)
         r = await client.post("/v1/chat/completions", json=body)
         return r.status_code
 
-    async def ordinary(n: int) -> list[tuple[int, float]]:
+    async def ordinary(n: int) -> list[tuple[int, float, bool]]:
+        """(status, seconds, whether the attack was still on as it ended) per request."""
         out = []
         for i in range(n):
             body = {"messages": [{"role": "user", "content": f"hello number {i}"}]}
@@ -262,7 +290,7 @@ async def test_ten_runaway_schemas_leave_chat_requests_unharmed(bounded, engine)
                 body["response_format"] = {"type": "json_object"}
             t0 = time.monotonic()
             r = await client.post("/v1/chat/completions", json=body)
-            out.append((r.status_code, time.monotonic() - t0))
+            out.append((r.status_code, time.monotonic() - t0, not attack.done()))
             await asyncio.sleep(0.05)
         return out
 
@@ -278,11 +306,15 @@ async def test_ten_runaway_schemas_leave_chat_requests_unharmed(bounded, engine)
     took = time.monotonic() - t0
     assert all(code in (400, 429) for code in codes), codes
     assert codes.count(400) >= 1
-    assert [c for c, _ in chats] == [200] * 30
-    slowest = max(t for _, t in chats)
-    assert slowest < 1.0, slowest
-    assert took < 6.0, took
-    await asyncio.sleep(1.5)  # replacements have started
+    assert [c for c, _, _ in chats] == [200] * 30
+    # why not a speed: the attack lasts at least the 1 s a compile may wait; chats that queued
+    # behind it would all end after it
+    assert any(during for _, _, during in chats), chats
+    slowest = max(t for _, t, _ in chats)
+    assert slowest < late_limit_s(0), slowest
+    # each hostile request ends within its wait (1 s) and its compile's deadline (1 s)
+    assert took < late_limit_s(2.0), took
+    await workers_ready(pool)
     workers = pool.worker_pids
     assert len(workers) <= 2
     cpu0, worker_cpu0, wall0 = cpu_s(), sum(map(proc_cpu_s, workers)), time.monotonic()

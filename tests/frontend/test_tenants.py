@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from gapless.common.config import TenantSpec
-from gapless.frontend.tenants import ANONYMOUS, ApiKeys
+from gapless.frontend.engine.tenants import ANONYMOUS, ApiKeys
 from gapless.launch.keys_file import read_keys_file
 from tests.frontend.conftest import build_app
 from tests.frontend.fake_engine import FakeEngine

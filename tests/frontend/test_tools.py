@@ -4,13 +4,15 @@ answers shaped as tool_calls."""
 from __future__ import annotations
 
 import json
+import sys
 
 import httpx
 import llguidance
 import pytest
 
 from gapless.common.grammars import make_tokenizer
-from gapless.frontend.tool_parsers import HermesParser
+from gapless.frontend.api.tool_parsers import HermesParser
+from gapless.frontend.http.json_depth import MAX_JSON_DEPTH
 from tests.frontend.conftest import build_app, sse_events
 
 pytestmark = pytest.mark.anyio
@@ -49,6 +51,24 @@ def test_hermes_parse_whole() -> None:
     assert len({c.id for c in parsed.calls}) == 2
     broken = "<tool_call>{not json}</tool_call>"
     assert HermesParser().parse(broken).content == broken  # nothing the model wrote is lost
+
+
+def test_hermes_call_nested_past_the_bound_stays_content() -> None:
+    """The model's output is parsed under the same nesting bound as a request, whatever the
+    recursion limit: a call nested past it stays content, at the bound it is a call."""
+    before = sys.getrecursionlimit()
+    sys.setrecursionlimit(100_000)
+    try:
+        for depth, is_call in [(MAX_JSON_DEPTH, True), (MAX_JSON_DEPTH + 1, False), (10**6, False)]:
+            args = '{"a":' * (depth - 1) + "{}" + "}" * (depth - 1)  # an object `depth` deep
+            # written as an object, the call's own object is one more level
+            for written, depth_written in ((args, depth + 1), (json.dumps(args), depth)):
+                text = f'<tool_call>{{"name":"f","arguments":{written}}}</tool_call>'
+                parsed = HermesParser().parse(text)
+                is_call = depth_written <= MAX_JSON_DEPTH
+                assert (len(parsed.calls), parsed.content == text) == (int(is_call), not is_call)
+    finally:
+        sys.setrecursionlimit(before)
 
 
 @pytest.mark.parametrize("size", [1, 3, 7, 1000])
@@ -306,7 +326,7 @@ async def test_strict_function_refuses_what_the_engine_would_ignore(client, engi
 )  # fmt: skip
 def test_a_call_cut_by_max_tokens_is_still_reported(text, name, arguments, content) -> None:
     from gapless.common.messages import TextDelta
-    from gapless.frontend.chat import ChatChunks, _message
+    from gapless.frontend.api.chat import ChatChunks, _message
 
     message, reason = _message(text, "length", HermesParser())
     assert reason == "length"

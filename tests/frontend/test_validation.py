@@ -1,11 +1,15 @@
 from __future__ import annotations
 
+import json
+import sys
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 
-from gapless.frontend.asgi import HttpRequest
+from gapless.frontend.http.asgi import HttpRequest
+from gapless.frontend.http.json_depth import MAX_JSON_DEPTH
 from tests.frontend.conftest import build_app
 
 pytestmark = pytest.mark.anyio
@@ -251,3 +255,71 @@ async def test_hostile_json_is_a_named_400(
     r = await client.post(path, content=content)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["code"] == code
+
+
+@pytest.fixture
+def recursion_limit_raised() -> Iterator[None]:
+    """The interpreter's recursion limit raised far past any nesting a test sends, as a test
+    framework in the same process may leave it (hypothesis does): the server's bound must not
+    depend on it."""
+    before = sys.getrecursionlimit()
+    sys.setrecursionlimit(100_000)
+    yield
+    sys.setrecursionlimit(before)
+
+
+def _nested(depth: int) -> str:
+    return "[" * depth + "]" * depth
+
+
+# (depth, status): at the bound, one past it, and deep enough to crash a parser bounded only by
+# the recursion limit (4 MB, under the body cap)
+DEPTHS = [(MAX_JSON_DEPTH, 200), (MAX_JSON_DEPTH + 1, 400), (2_000_000, 400)]
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_body_nesting_bound_is_the_servers(
+    client: httpx.AsyncClient, recursion_limit_raised: None, path: str
+) -> None:
+    ok = {"prompt": "a", "messages": USER, "max_tokens": 1}
+    for depth, status in DEPTHS:
+        # the body's own object is one level: the field under it holds depth - 1
+        head = json.dumps({**ok, "x_extra": 0})[:-3].encode()
+        content = head + _nested(depth - 1).encode() + b"}"
+        r = await client.post(path, content=content)
+        if status == 200:
+            assert r.status_code == 200, r.text
+        else:
+            error = _check_error(r, 400, None)
+            assert error["code"] == "json_too_deep" and str(MAX_JSON_DEPTH) in error["message"]
+        assert (await client.post(path, json=ok)).status_code == 200  # it serves the next one
+
+
+async def test_deep_tool_call_arguments_are_a_400_naming_them(
+    client: httpx.AsyncClient, recursion_limit_raised: None
+) -> None:
+    def body(arguments: str) -> dict[str, Any]:
+        call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+        return {
+            "messages": [*USER, {"role": "assistant", "tool_calls": [call]}],
+            "max_tokens": 1,
+        }
+
+    for depth, status in DEPTHS:
+        r = await client.post("/v1/chat/completions", json=body(_nested(depth)))
+        if status == 200:
+            assert r.status_code == 200, r.text
+        else:
+            param = "messages[1].tool_calls[0].function.arguments"
+            assert _check_error(r, 400, param)["code"] == "json_too_deep"
+        r = await client.post("/v1/chat/completions", json=body('{"city": "Paris"}'))
+        assert r.status_code == 200, r.text
+
+
+async def test_brackets_in_strings_do_not_nest(make_config, engine) -> None:
+    app = build_app(make_config(model_overrides={"max_model_len": 200_000}), engine)
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+        for prompt in ("[" * 100_000, '{"a": [' * 10_000 + '\\"]'):
+            r = await c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1})
+            assert r.status_code == 200, r.text

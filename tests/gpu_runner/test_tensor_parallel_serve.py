@@ -20,7 +20,7 @@ from gapless.common.model_files import load_tokenizer
 from tests.engine_harness import make_config
 from tests.family_models import build
 from tests.gpu_runner.test_tensor_parallel import GREEDY, Recorder, _prompts
-from tests.server import ROOT, Server, free_port
+from tests.server import ROOT, Server, count_server_start, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -156,6 +156,7 @@ def test_two_hosts_on_loopback_serve_one_runners_tokens(tmp_path, tiny_model_dir
     port = free_port()
     hosts = ["--tp", "2", "--nnodes", "2", "--master-port", str(port), "--model", str(model),
              "--dtype", "float32", "--served-model-name", "tiny"]  # fmt: skip
+    count_server_start()  # one host of the two; the other is a Server
     headless = subprocess.Popen(
         [sys.executable, "-m", "gapless.launch.cli", "serve", "--headless", "--node-rank", "1",
          "--threads", "1", "--no-compile", *hosts],
@@ -190,6 +191,7 @@ def test_a_host_that_never_joins_ends_the_engine(tiny_model_dir):
             str(free_port()), "--dist-timeout", "3", "--model", str(tiny_model_dir), "--dtype",
             "float32", "--threads", "1", "--no-compile", "--port", str(free_port())]  # fmt: skip
     started = time.monotonic()
+    count_server_start()
     out = subprocess.run([sys.executable, "-m", "gapless.launch.cli", *args], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)  # fmt: skip
     assert out.returncode == 1, out.stdout + out.stderr

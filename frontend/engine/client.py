@@ -2,7 +2,7 @@
 
 One listener task reads the frontend's return socket and hands each TextDelta to the inbox of
 the request it belongs to (`add` routes a request's choices there, `remove` stops it and aborts
-what still runs); a RequestStream (frontend/stream.py) takes from that inbox.
+what still runs); a RequestStream (frontend/api/stream.py) takes from that inbox.
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ from gapless.common.messages import (
     Timeline,
 )
 from gapless.common.process import CORE_IN, frontend_socket
-from gapless.frontend.inbox import Inbox, coalesced
-from gapless.frontend.queue_view import QueueView, Ticket
-from gapless.frontend.replicas import ReplicaRouter, routed_counter
+from gapless.frontend.engine.inbox import Inbox, coalesced
+from gapless.frontend.engine.queue_view import QueueView, Ticket
+from gapless.frontend.engine.replicas import ReplicaRouter, routed_counter
 
 log = logging.getLogger("gapless.frontend")
 

@@ -1,5 +1,5 @@
 """A grammar worker: a process the frontend spawns to compile untrusted grammars, so that a
-compile which runs away can be killed (frontend.grammar_pool drives it).
+compile which runs away can be killed (frontend.grammar.pool drives it).
 
 The protocol, on the worker's stdin and stdout, is frames of a 4-byte big-endian length and
 that many bytes (never pickle):

@@ -1,6 +1,6 @@
 """Compiles of untrusted grammars, in worker processes that can be stopped.
 
-A GrammarPool owns `workers` slots, each a worker process (frontend.grammar_worker) and one
+A GrammarPool owns `workers` slots, each a worker process (frontend.grammar.worker) and one
 thread that talks to it over pipes, so a compile never holds a thread that chat templates or
 tokenizing need. A compile that passes its deadline, or its worker's memory cap, ends with that
 worker killed and a fresh one spawned; the request gets a verdict saying why.
@@ -39,7 +39,7 @@ from typing import Any
 
 import msgspec
 
-from gapless.frontend.grammar_worker import HEADER, WorkerInit, write_frame
+from gapless.frontend.grammar.worker import HEADER, WorkerInit, write_frame
 
 log = logging.getLogger("gapless.frontend")
 
@@ -178,7 +178,7 @@ class _Slot:
             if self._proc is not None and self._proc.poll() is None:
                 return self._proc
             proc = subprocess.Popen(
-                [sys.executable, "-m", "gapless.frontend.grammar_worker", str(os.getpid())],
+                [sys.executable, "-m", "gapless.frontend.grammar.worker", str(os.getpid())],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
             )

@@ -1,7 +1,7 @@
 """Structured output: response_format (and tool schemas) as grammars, checked before a request
 reaches the engine.
 
-A grammar is compiled in a worker process (frontend.grammar_pool) with a deadline and a memory
+A grammar is compiled in a worker process (frontend.grammar.pool) with a deadline and a memory
 cap, so a pathological schema costs at most the bound and a killed worker, never the frontend's
 threads or memory. Verdicts are kept by grammar text in a size-capped cache, and a grammar that
 is compiling already is waited for, not compiled again: a repeated schema costs a dict lookup.
@@ -18,12 +18,12 @@ import tokenizers
 
 from gapless.common.config import EngineConfig
 from gapless.common.grammars import json_grammar
-from gapless.frontend.admission import too_many
-from gapless.frontend.errors import ApiError, bad_request
-from gapless.frontend.grammar_pool import Busy, GrammarPool, Unavailable
-from gapless.frontend.grammar_worker import WorkerInit
-from gapless.frontend.protocol import JsonObjectFormat, JsonSchemaFormat, ResponseFormat
-from gapless.frontend.schema_rules import strict_problem
+from gapless.frontend.api.protocol import JsonObjectFormat, JsonSchemaFormat, ResponseFormat
+from gapless.frontend.api.schema_rules import strict_problem
+from gapless.frontend.engine.admission import too_many
+from gapless.frontend.grammar.pool import Busy, GrammarPool, Unavailable
+from gapless.frontend.grammar.worker import WorkerInit
+from gapless.frontend.http.errors import ApiError, bad_request
 
 MAX_CHECKED = 256  # grammars remembered as checked (with their verdict)
 

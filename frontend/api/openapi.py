@@ -23,10 +23,19 @@ from gapless.common.config import (
     EngineConfig,
 )
 from gapless.common.messages import KEEP_STEPS
-from gapless.frontend.errors import ErrorResponse
-from gapless.frontend.params import MAX_CACHE_SALT_CHARS, MAX_LOGIT_BIAS
-from gapless.frontend.protocol import ChatCompletionRequest, CompletionRequest
-from gapless.frontend.responses import (
+from gapless.common.sampling_ranges import (
+    FLOAT_RANGES,
+    LOGIT_BIAS,
+    MIN_TOKENS,
+    SEED,
+    TOP_K,
+    logprobs_range,
+    max_tokens_range,
+    n_range,
+)
+from gapless.frontend.api.params import MAX_CACHE_SALT_CHARS, MAX_LOGIT_BIAS
+from gapless.frontend.api.protocol import ChatCompletionRequest, CompletionRequest
+from gapless.frontend.api.replies import (
     ChatCompletion,
     ChatCompletionChunk,
     Completion,
@@ -34,13 +43,14 @@ from gapless.frontend.responses import (
     ModelCard,
     ModelList,
 )
-from gapless.frontend.utility_routes import (
+from gapless.frontend.api.utility_routes import (
     DetokenizeRequest,
     DetokenizeResponse,
     TokenizeRequest,
     TokenizeResponse,
     Version,
 )
+from gapless.frontend.http.errors import ErrorResponse
 
 _REF = "#/components/schemas/{name}"
 
@@ -123,7 +133,6 @@ def _parameter(name: str, where: str, schema: dict[str, Any], description: str) 
     }
 
 
-_INT64 = 2**63
 # what Python's str.strip() removes (str.isspace), spelled out: a regex's \s is another set
 _SPACE = "\\t-\\r \\x1c-\\x1f\\x85\\xa0\\u1680\\u2000-\\u200a\\u2028\\u2029\\u202f\\u205f\\u3000"
 
@@ -146,7 +155,7 @@ def _token_ids(config: EngineConfig, **extra: Any) -> dict[str, Any]:
 
 
 def _prompt(config: EngineConfig) -> dict[str, Any]:
-    """A text, token ids, or a batch of either (frontend.prompts): none empty, ids of the
+    """A text, token ids, or a batch of either (frontend.api.prompts): none empty, ids of the
     vocabulary, fewer ids than the context holds, at most --max-prompts in a batch."""
     text = {"type": "string", "minLength": 1}
     ids = _token_ids(config, minItems=1, maxItems=config.model.max_model_len - 1)
@@ -155,27 +164,24 @@ def _prompt(config: EngineConfig) -> dict[str, Any]:
 
 
 def _ranges(config: EngineConfig) -> dict[str, dict[str, Any]]:
-    """field -> constraints per JSON type, as frontend.params checks them (the limits of the
+    """field -> constraints per JSON type, as frontend.api.params checks them (the limits of the
     running config included), so a schema fuzzer generates what the server accepts."""
     vocab_id = {"minimum": 0, "maximum": config.model.vocab_size - 1}
-    logprobs = {"integer": {"minimum": 0, "maximum": config.max_logprobs}}
+    logprobs = {"integer": logprobs_range(config).json_schema()}
     # why one short of the context: every prompt has a token, and both must fit in it
-    budget = {"integer": {"minimum": 1, "maximum": config.model.max_model_len - 1}}
+    budget_range = max_tokens_range(config)
+    assert budget_range.high is not None
+    budget = {"integer": {**budget_range.json_schema(), "maximum": budget_range.high - 1}}
     return {
         "max_tokens": budget,
         "max_completion_tokens": budget,
-        "temperature": {"number": {"minimum": 0, "maximum": 2}},
-        "top_p": {"number": {"exclusiveMinimum": 0, "maximum": 1}},
-        "min_p": {"number": {"minimum": 0, "maximum": 1}},
-        "top_k": {"integer": {"minimum": -1}},
-        "n": {"integer": {"minimum": 1, "maximum": config.max_n}},
-        "presence_penalty": {"number": {"minimum": -2, "maximum": 2}},
-        "frequency_penalty": {"number": {"minimum": -2, "maximum": 2}},
-        "repetition_penalty": {"number": {"exclusiveMinimum": 0, "maximum": 10}},
-        "seed": {"integer": {"minimum": -_INT64, "maximum": _INT64 - 1}},
+        **{name: {"number": allowed.json_schema()} for name, allowed in FLOAT_RANGES.items()},
+        "top_k": {"integer": TOP_K.json_schema()},
+        "n": {"integer": n_range(config).json_schema()},
+        "seed": {"integer": SEED.json_schema()},
         "logprobs": logprobs,
         "top_logprobs": logprobs,
-        "min_tokens": {"integer": {"minimum": 0}},
+        "min_tokens": {"integer": MIN_TOKENS.json_schema()},
         "stop": {
             "string": {"minLength": 1},
             "array": {"maxItems": config.max_stop_strings, "items": {"minLength": 1}},
@@ -186,7 +192,7 @@ def _ranges(config: EngineConfig) -> dict[str, dict[str, Any]]:
             "object": {
                 "maxProperties": MAX_LOGIT_BIAS,
                 "propertyNames": {"pattern": f"^0*(?:{below(config.model.vocab_size)})$"},
-                "additionalProperties": {"minimum": -100, "maximum": 100},
+                "additionalProperties": LOGIT_BIAS.json_schema(),
             }
         },
         "bad_words": {"array": {"items": {"pattern": f"[^{_SPACE}]"}}},
@@ -221,9 +227,9 @@ def _given(field: str, schema: dict[str, Any]) -> dict[str, Any]:
 
 # fields of a chat request that need another: a JSON Schema `if` / `then` each
 _CHAT_NEEDS = [
-    # top_logprobs needs logprobs set to true (frontend.chat)
+    # top_logprobs needs logprobs set to true (frontend.api.chat)
     (_given("top_logprobs", {"type": "integer"}), _given("logprobs", {"const": True})),
-    # a tool_choice other than none needs tools (frontend.tools)
+    # a tool_choice other than none needs tools (frontend.api.tools)
     (
         _given("tool_choice", {"not": {"enum": ["none", None]}}),
         _given("tools", {"type": "array", "minItems": 1}),
@@ -248,7 +254,7 @@ def _request_rules(components: dict[str, Any], config: EngineConfig) -> None:
     tokenize = components["TokenizeRequest"]
     tokenize["properties"]["prompt"]["anyOf"][0]["minLength"] = 1
     tokenize["properties"]["messages"]["anyOf"][0]["minItems"] = 1
-    # one of prompt or messages, not both (frontend.utility_routes)
+    # one of prompt or messages, not both (frontend.api.utility_routes)
     tokenize["oneOf"] = [
         _given("prompt", {"type": "string"}),
         _given("messages", {"type": "array"}),

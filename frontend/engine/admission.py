@@ -12,10 +12,10 @@ import math
 import time
 
 from gapless.common.config import EngineConfig
-from gapless.frontend import metrics
-from gapless.frontend.engine_client import EngineClient
-from gapless.frontend.errors import UNAVAILABLE_RETRY_AFTER_S, ApiError, engine_unavailable
-from gapless.frontend.queue_view import QueueView, Ticket
+from gapless.frontend.engine.client import EngineClient
+from gapless.frontend.engine.queue_view import QueueView, Ticket
+from gapless.frontend.http import metrics
+from gapless.frontend.http.errors import UNAVAILABLE_RETRY_AFTER_S, ApiError, engine_unavailable
 
 MAX_RETRY_AFTER_S = 60  # the most any estimate says: clients retry sooner and look again
 

@@ -4,14 +4,12 @@ from __future__ import annotations
 
 from gapless.common.config import EngineConfig
 from gapless.common.messages import TextDelta
-from gapless.frontend.asgi import HttpRequest, Responder, encoder
-from gapless.frontend.errors import bad_request
-from gapless.frontend.generation import ChoiceResult
-from gapless.frontend.openai_fields import CHAT_REFUSED
-from gapless.frontend.params import check_logprobs
-from gapless.frontend.prelude import Prelude, Route
-from gapless.frontend.protocol import ChatCompletionRequest
-from gapless.frontend.responses import (
+from gapless.frontend.api.generation import ChoiceResult
+from gapless.frontend.api.openai_fields import CHAT_REFUSED
+from gapless.frontend.api.params import check_logprobs
+from gapless.frontend.api.prelude import Prelude, Route
+from gapless.frontend.api.protocol import ChatCompletionRequest
+from gapless.frontend.api.replies import (
     AssistantMessage,
     CallDelta,
     CallOut,
@@ -25,10 +23,12 @@ from gapless.frontend.responses import (
     Usage,
     chat_logprobs,
 )
-from gapless.frontend.state import FrontendState
-from gapless.frontend.tenants import Caller
-from gapless.frontend.tool_parsers import Parsed, ToolParser, make_parser
-from gapless.frontend.tools import plan_tools, template_messages
+from gapless.frontend.api.state import FrontendState
+from gapless.frontend.api.tool_parsers import Parsed, ToolParser, make_parser
+from gapless.frontend.api.tools import plan_tools, template_messages
+from gapless.frontend.engine.tenants import Caller
+from gapless.frontend.http.asgi import HttpRequest, Responder, encoder
+from gapless.frontend.http.errors import bad_request
 
 
 class ChatChunks:

@@ -14,7 +14,7 @@ import jinja2
 from jinja2 import meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from gapless.frontend.errors import bad_request
+from gapless.frontend.http.errors import bad_request
 
 _local = threading.local()  # .deadline: time.monotonic() value past which rendering stops
 

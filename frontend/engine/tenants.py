@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 
 from gapless.common.block_hash import cache_scope
 from gapless.common.config import EngineConfig, TenantSpec, check_tenant_name, priority_value
-from gapless.frontend.errors import ApiError, bad_request
+from gapless.frontend.http.errors import ApiError, bad_request
 
 _NO_SETTINGS = TenantSpec()
 

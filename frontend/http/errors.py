@@ -7,6 +7,8 @@ from typing import TypeVar
 
 import msgspec
 
+from gapless.frontend.http.json_depth import MAX_JSON_DEPTH, deeper_than
+
 T = TypeVar("T")
 
 
@@ -88,8 +90,19 @@ def from_decode_error(exc: msgspec.DecodeError) -> ApiError:
     return bad_request(f"{text}{where}", param=path)
 
 
+def too_deep(what: str, param: str | None = None) -> ApiError:
+    return bad_request(
+        f"{what} nests arrays and objects deeper than {MAX_JSON_DEPTH} levels",
+        param=param,
+        code="json_too_deep",
+    )
+
+
 def decode_body(decoder: msgspec.json.Decoder[T], raw: bytes) -> T:
-    """The request body decoded, or a 400 naming what is wrong with it (never a 500)."""
+    """The request body decoded, or a 400 naming what is wrong with it (never a 500). Its
+    nesting is bounded before msgspec reads it (json_depth.py)."""
+    if deeper_than(raw):
+        raise too_deep("request body")
     try:
         return decoder.decode(raw)
     except msgspec.DecodeError as exc:
@@ -102,10 +115,8 @@ def decode_body(decoder: msgspec.json.Decoder[T], raw: bytes) -> T:
         raise bad_request(
             f"request body is not valid UTF-8: byte {exc.start} ({exc.reason})", code="invalid_utf8"
         ) from None
-    except RecursionError:
-        raise bad_request(
-            "request body is nested too deeply to decode", code="json_too_deep"
-        ) from None
+    except RecursionError:  # why still: a stack already deep when decoding starts
+        raise too_deep("request body") from None
 
 
 def _whole_floats_as_ints(raw: bytes, schema: type[T]) -> T | None:

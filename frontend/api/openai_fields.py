@@ -18,7 +18,7 @@ from typing import Any
 
 import msgspec
 
-from gapless.frontend.errors import bad_request
+from gapless.frontend.http.errors import bad_request
 
 log = logging.getLogger("gapless.frontend")
 

@@ -1,7 +1,7 @@
 """Request bodies of the OpenAI-compatible API, as msgspec schemas (decoding is validation).
 
 Optional fields accept JSON null, as the OpenAI API does. Values are range-checked in
-`frontend.params`, where the limits of the running config are known.
+`frontend.api.params`, where the limits of the running config are known.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     allowed_token_ids: list[int] | None = None  # sample only among these
     bad_words: list[str] | None = None  # never completed, as text with or without a space before
     # an integer in [-1000, 1000], lower runs sooner, or interactive (-10), default (0), batch (10);
-    # absent: the tenant's default. Checked in frontend.tenants
+    # absent: the tenant's default. Checked in frontend.engine.tenants
     priority: int | str | None = None
     # prefix-cache blocks are shared only between requests with the same salt (and none)
     cache_salt: str | None = None

@@ -23,10 +23,11 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from gapless.frontend.errors import bad_request
-from gapless.frontend.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, Tool
-from gapless.frontend.schema_rules import closed_objects, strict_problem
-from gapless.frontend.structured import Grammars
+from gapless.frontend.api.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, Tool
+from gapless.frontend.api.schema_rules import closed_objects, strict_problem
+from gapless.frontend.api.structured import Grammars
+from gapless.frontend.http.errors import bad_request, too_deep
+from gapless.frontend.http.json_depth import deeper_than
 
 FALLBACK_PROMPT = """You can call functions to help answer. To call one, write
 <tool_call>{{"name": "FUNCTION NAME", "arguments": {{ARGUMENTS AS A JSON OBJECT}}}}</tool_call>
@@ -134,7 +135,7 @@ def template_messages(
 ) -> list[dict[str, Any]]:
     """The messages as the template sees them (dicts), with the fallback applied when the
     template does not render tools itself."""
-    out = [_message_dict(m, takes_tools) for m in messages]
+    out = [_message_dict(m, takes_tools, f"messages[{i}]") for i, m in enumerate(messages)]
     if takes_tools or plan.offered is None:
         return out
     lines = "\n".join(json.dumps(t["function"], ensure_ascii=False) for t in plan.offered)
@@ -146,7 +147,7 @@ def template_messages(
     return out
 
 
-def _message_dict(message: ChatMessage, takes_tools: bool) -> dict[str, Any]:
+def _message_dict(message: ChatMessage, takes_tools: bool, at: str) -> dict[str, Any]:
     content = message.content
     if content is None:
         content = ""
@@ -157,6 +158,10 @@ def _message_dict(message: ChatMessage, takes_tools: bool) -> dict[str, Any]:
     if message.name is not None:
         out["name"] = message.name
     calls = message.tool_calls or []
+    arguments = [
+        _arguments(c.function.arguments, f"{at}.tool_calls[{j}].function.arguments")
+        for j, c in enumerate(calls)
+    ]
     if takes_tools:
         if message.tool_call_id is not None:
             out["tool_call_id"] = message.tool_call_id
@@ -165,20 +170,17 @@ def _message_dict(message: ChatMessage, takes_tools: bool) -> dict[str, Any]:
                 {
                     "id": c.id,
                     "type": "function",
-                    "function": {"name": c.function.name, "arguments": _arguments(c.function)},
+                    "function": {"name": c.function.name, "arguments": args},
                 }
-                for c in calls
+                for c, args in zip(calls, arguments, strict=True)
             ]
         return out
     if calls:  # the fallback: calls written as the model is asked to write them
         written = [
             "<tool_call>"
-            + json.dumps(
-                {"name": c.function.name, "arguments": _arguments(c.function)},
-                ensure_ascii=False,
-            )
+            + json.dumps({"name": c.function.name, "arguments": args}, ensure_ascii=False)
             + "</tool_call>"
-            for c in calls
+            for c, args in zip(calls, arguments, strict=True)
         ]
         out["content"] = "\n".join([content, *written] if content else written)
     if role == "tool":
@@ -186,9 +188,12 @@ def _message_dict(message: ChatMessage, takes_tools: bool) -> dict[str, Any]:
     return out
 
 
-def _arguments(function: Any) -> Any:
-    """Arguments as an object for the template (they travel as JSON text)."""
+def _arguments(text: str, param: str) -> Any:
+    """Arguments as an object for the template (they travel as JSON text); text that is not
+    JSON goes as it is, JSON nested past the bound is a 400 (json_depth.py)."""
+    if deeper_than(text):
+        raise too_deep(param, param)
     try:
-        return json.loads(function.arguments)
+        return json.loads(text)
     except ValueError:
-        return function.arguments
+        return text

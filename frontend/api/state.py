@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gapless.common.config import EngineConfig
-from gapless.frontend.admission import Admission
-from gapless.frontend.engine_client import EngineClient
-from gapless.frontend.prompts import Prompter
+from gapless.frontend.api.prompts import Prompter
+from gapless.frontend.engine.admission import Admission
+from gapless.frontend.engine.client import EngineClient
 
 
 @dataclass(frozen=True)

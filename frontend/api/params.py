@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import re
 from typing import Any
 
@@ -10,10 +9,21 @@ import msgspec
 
 from gapless.common.config import EngineConfig
 from gapless.common.messages import SamplingParams
-from gapless.frontend.errors import ApiError, bad_request
-from gapless.frontend.protocol import SamplingFields
+from gapless.common.sampling_ranges import (
+    FLOAT_RANGES,
+    LOGIT_BIAS,
+    MIN_TOKENS,
+    SEED,
+    TOP_K,
+    Range,
+    logprobs_range,
+    max_tokens_range,
+    n_range,
+)
+from gapless.frontend.api.protocol import SamplingFields
+from gapless.frontend.http.errors import ApiError, bad_request
 
-_INT64 = 2**63
+_INT64 = 2**63  # seeds wrap within signed 64 bits (per_choice)
 
 
 def check_model(model: str | None, config: EngineConfig) -> None:
@@ -27,11 +37,9 @@ def check_model(model: str | None, config: EngineConfig) -> None:
         )
 
 
-def _in_range(value: float, low: float, high: float, name: str, *, low_open: bool = False) -> float:
-    ok = math.isfinite(value) and (low < value if low_open else low <= value) and value <= high
-    if not ok:
-        bracket = "(" if low_open else "["
-        raise bad_request(f"{name} must be in {bracket}{low}, {high}], got {value}", param=name)
+def _in_range(value: float, allowed: Range, name: str) -> float:
+    if value not in allowed:
+        raise bad_request(f"{name} must be in {allowed.interval()}, got {value}", param=name)
     return value
 
 
@@ -52,17 +60,18 @@ def check_cache_salt(salt: str | None) -> str:
 
 def check_n(n: int | None, config: EngineConfig) -> int:
     n = 1 if n is None else n
-    if not 1 <= n <= config.max_n:
-        raise bad_request(f"n must be between 1 and {config.max_n}, got {n}", param="n")
+    allowed = n_range(config)
+    if n not in allowed:
+        raise bad_request(f"n must be between 1 and {allowed.high}, got {n}", param="n")
     return n
 
 
 def check_max_tokens(value: int | None, name: str, config: EngineConfig) -> int | None:
     """Range checks that need no prompt; the context check is `resolve_max_tokens`."""
-    if value is not None and not 1 <= value <= config.model.max_model_len:
+    allowed = max_tokens_range(config)
+    if value is not None and value not in allowed:
         raise bad_request(
-            f"{name} must be between 1 and the context length "
-            f"({config.model.max_model_len}), got {value}",
+            f"{name} must be between 1 and the context length ({allowed.high}), got {value}",
             param=name,
         )
     return value
@@ -93,10 +102,9 @@ def resolve_max_tokens(
 
 
 def check_logprobs(value: int | None, name: str, config: EngineConfig) -> int | None:
-    if value is not None and not 0 <= value <= config.max_logprobs:
-        raise bad_request(
-            f"{name} must be between 0 and {config.max_logprobs}, got {value}", param=name
-        )
+    allowed = logprobs_range(config)
+    if value is not None and value not in allowed:
+        raise bad_request(f"{name} must be between 0 and {allowed.high}, got {value}", param=name)
     return value
 
 
@@ -151,7 +159,7 @@ def _logit_bias(
         if not _TOKEN_KEY.fullmatch(key):  # why not isdigit(): it takes "²", which int() refuses
             raise bad_request(f"logit_bias keys are token ids, got {key!r}", param="logit_bias")
         token_id = _token_id(int(key), "logit_bias", config)
-        out.append((token_id, _in_range(float(value), -100.0, 100.0, "logit_bias")))
+        out.append((token_id, _in_range(float(value), LOGIT_BIAS, "logit_bias")))
     return tuple(sorted(out))
 
 
@@ -174,31 +182,34 @@ def sampling_fields(
     (`Prompter.bad_words_ids`)."""
     given = config.model.sampling_defaults  # generation_config.json's, for fields left out
     top_k = int(given.get("top_k", 0)) if req.top_k is None else req.top_k
-    if top_k < -1:
+    if top_k not in TOP_K:
         raise bad_request(f"top_k must be -1, 0 (off) or positive, got {top_k}", param="top_k")
     seed = req.seed
-    if seed is not None and not -_INT64 <= seed < _INT64:
+    if seed is not None and seed not in SEED:
         raise bad_request("seed must fit in a signed 64-bit integer", param="seed")
     f = _float_or
     min_tokens = req.min_tokens or 0
-    if min_tokens < 0:
+    if min_tokens not in MIN_TOKENS:
         raise bad_request(f"min_tokens must not be negative, got {min_tokens}", param="min_tokens")
+    r = FLOAT_RANGES
     return dict(
         temperature=_in_range(
-            f(req.temperature, given.get("temperature", 1.0)), 0.0, 2.0, "temperature"
+            f(req.temperature, given.get("temperature", 1.0)), r["temperature"], "temperature"
         ),
-        top_p=_in_range(f(req.top_p, given.get("top_p", 1.0)), 0.0, 1.0, "top_p", low_open=True),
+        top_p=_in_range(f(req.top_p, given.get("top_p", 1.0)), r["top_p"], "top_p"),
         top_k=0 if top_k == -1 or top_k >= config.model.vocab_size else top_k,
-        min_p=_in_range(f(req.min_p, given.get("min_p", 0.0)), 0.0, 1.0, "min_p"),
+        min_p=_in_range(f(req.min_p, given.get("min_p", 0.0)), r["min_p"], "min_p"),
         seed=seed,
-        presence_penalty=_in_range(f(req.presence_penalty, 0.0), -2.0, 2.0, "presence_penalty"),
-        frequency_penalty=_in_range(f(req.frequency_penalty, 0.0), -2.0, 2.0, "frequency_penalty"),
+        presence_penalty=_in_range(
+            f(req.presence_penalty, 0.0), r["presence_penalty"], "presence_penalty"
+        ),
+        frequency_penalty=_in_range(
+            f(req.frequency_penalty, 0.0), r["frequency_penalty"], "frequency_penalty"
+        ),
         repetition_penalty=_in_range(
             f(req.repetition_penalty, given.get("repetition_penalty", 1.0)),
-            0.0,
-            10.0,
+            r["repetition_penalty"],
             "repetition_penalty",
-            low_open=True,
         ),
         logprobs=logprobs,
         ignore_eos=req.ignore_eos,

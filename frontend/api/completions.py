@@ -4,22 +4,22 @@ from __future__ import annotations
 
 from gapless.common.config import EngineConfig
 from gapless.common.messages import TextDelta
-from gapless.frontend.asgi import HttpRequest, Responder, encoder
-from gapless.frontend.generation import ChoiceResult
-from gapless.frontend.openai_fields import COMPLETION_REFUSED
-from gapless.frontend.params import check_logprobs
-from gapless.frontend.prelude import Prelude, Route
-from gapless.frontend.prompts import CompletionPrompt
-from gapless.frontend.protocol import CompletionRequest
-from gapless.frontend.responses import (
+from gapless.frontend.api.generation import ChoiceResult
+from gapless.frontend.api.openai_fields import COMPLETION_REFUSED
+from gapless.frontend.api.params import check_logprobs
+from gapless.frontend.api.prelude import Prelude, Route
+from gapless.frontend.api.prompts import CompletionPrompt
+from gapless.frontend.api.protocol import CompletionRequest
+from gapless.frontend.api.replies import (
     Completion,
     CompletionChoice,
     CompletionLogprobs,
     Usage,
     completion_logprobs,
 )
-from gapless.frontend.state import FrontendState
-from gapless.frontend.tenants import Caller
+from gapless.frontend.api.state import FrontendState
+from gapless.frontend.engine.tenants import Caller
+from gapless.frontend.http.asgi import HttpRequest, Responder, encoder
 
 DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 

@@ -6,13 +6,13 @@ from importlib import metadata
 
 import msgspec
 
-from gapless.frontend.asgi import HttpRequest, Responder
-from gapless.frontend.errors import bad_request, decode_body
-from gapless.frontend.openai_fields import check_fields, struct_fields
-from gapless.frontend.params import check_model
-from gapless.frontend.protocol import ChatMessage
-from gapless.frontend.state import FrontendState
-from gapless.frontend.tools import ToolPlan, template_messages
+from gapless.frontend.api.openai_fields import check_fields, struct_fields
+from gapless.frontend.api.params import check_model
+from gapless.frontend.api.protocol import ChatMessage
+from gapless.frontend.api.state import FrontendState
+from gapless.frontend.api.tools import ToolPlan, template_messages
+from gapless.frontend.http.asgi import HttpRequest, Responder
+from gapless.frontend.http.errors import bad_request, decode_body
 
 
 class TokenizeRequest(msgspec.Struct, kw_only=True):

@@ -2,8 +2,9 @@
 and the closed objects of forced tool calls.
 
 Both walk a schema's subschemas only where JSON Schema puts them (`properties`, `items`,
-`anyOf`, `$defs`, ...); what sits under any other key is data, not a schema. A schema nested
-past Python's recursion limit raises RecursionError (the caller answers 400).
+`anyOf`, `$defs`, ...); what sits under any other key is data, not a schema. A schema comes in
+a body nested at most MAX_JSON_DEPTH deep (json_depth.py), far inside Python's recursion limit;
+should one still reach it, RecursionError goes to the caller, which answers 400.
 """
 
 from __future__ import annotations

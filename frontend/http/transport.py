@@ -11,7 +11,7 @@ chunk of a started chunked body at once and returns True, or returns False and w
 when that cannot be done without waiting (the client is gone, the transport asked to pause,
 the response is not a chunked body in progress): the frontend's engine listener writes a
 stream's usual SSE event through it while the stream's handler waits for its next delta
-(frontend/stream.py, `RequestStream.write_now`), instead of waking the handler for it; and,
+(frontend/api/stream.py, `RequestStream.write_now`), instead of waking the handler for it; and,
 under `extensions[STREAM_CONNECTION]`, a `Connection` that tells how much of what was written
 the client has not taken yet, bounds the kernel's send buffer, and ends a cut stream at once.
 """
@@ -33,9 +33,9 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResp
 
 from gapless.common.config import EngineConfig
 from gapless.common.metrics import CONNECTION_CLOSES
-from gapless.frontend import metrics
-from gapless.frontend.asgi import CHUNK_WRITER, STREAM_CONNECTION, encoder
-from gapless.frontend.errors import ApiError
+from gapless.frontend.http import metrics
+from gapless.frontend.http.asgi import CHUNK_WRITER, STREAM_CONNECTION, encoder
+from gapless.frontend.http.errors import ApiError
 
 log = logging.getLogger("gapless.frontend")
 

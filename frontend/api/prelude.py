@@ -22,11 +22,9 @@ import msgspec
 from gapless.common.block_hash import chain_hashes, hash_root
 from gapless.common.config import EngineConfig
 from gapless.common.messages import SamplingParams
-from gapless.frontend.asgi import HttpRequest, Responder
-from gapless.frontend.errors import decode_body
-from gapless.frontend.generation import ChoiceResult, respond
-from gapless.frontend.openai_fields import Rule, check_fields, struct_fields
-from gapless.frontend.params import (
+from gapless.frontend.api.generation import ChoiceResult, respond
+from gapless.frontend.api.openai_fields import Rule, check_fields, struct_fields
+from gapless.frontend.api.params import (
     check_cache_salt,
     check_max_tokens,
     check_min_tokens,
@@ -36,12 +34,14 @@ from gapless.frontend.params import (
     resolve_max_tokens,
     sampling_fields,
 )
-from gapless.frontend.protocol import ChatCompletionRequest, CompletionRequest
-from gapless.frontend.queue_view import Ticket
-from gapless.frontend.responses import Usage
-from gapless.frontend.state import FrontendState
-from gapless.frontend.stream import ChunkFormat, Job
-from gapless.frontend.tenants import Caller, cache_scope_of, priority_of, tenant_of
+from gapless.frontend.api.protocol import ChatCompletionRequest, CompletionRequest
+from gapless.frontend.api.replies import Usage
+from gapless.frontend.api.state import FrontendState
+from gapless.frontend.api.stream import ChunkFormat, Job
+from gapless.frontend.engine.queue_view import Ticket
+from gapless.frontend.engine.tenants import Caller, cache_scope_of, priority_of, tenant_of
+from gapless.frontend.http.asgi import HttpRequest, Responder
+from gapless.frontend.http.errors import decode_body
 
 B = TypeVar("B", ChatCompletionRequest, CompletionRequest)
 

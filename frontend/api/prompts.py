@@ -22,10 +22,10 @@ from typing import Any
 import tokenizers
 
 from gapless.common.config import EngineConfig
-from gapless.frontend import metrics
-from gapless.frontend.chat_template import ChatTemplate
-from gapless.frontend.errors import bad_request
-from gapless.frontend.structured import Grammars
+from gapless.frontend.api.chat_template import ChatTemplate
+from gapless.frontend.api.structured import Grammars
+from gapless.frontend.http import metrics
+from gapless.frontend.http.errors import bad_request
 
 CompletionPrompt = str | list[int | str | list[int]]
 # why: a normalizer (NFC, say) may merge several characters into one before the tokens are cut
@@ -138,7 +138,7 @@ class Prompter:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
     async def chat_ids(self, messages: list[dict[str, Any]], **render: Any) -> list[int]:
-        """Token ids of the rendered conversation (message dicts, `frontend.tools`); render
+        """Token ids of the rendered conversation (message dicts, `frontend.api.tools`); render
         holds the template's other arguments. The template already holds special tokens."""
         if not messages:
             raise bad_request("messages must not be empty", param="messages")

@@ -5,7 +5,7 @@ A RequestStream is made per request and lives as long as its `deltas()` runs: th
 AddRequests, hands each choice's deltas to the handler and, however it ends, aborts what still
 runs. With `write_to`, the engine client's listener writes the usual SSE event (text only, of an
 opened choice that goes on) itself while the handler waits (`write_now`, through
-frontend/http.py's chunk writer), and the handler writes the others (`write`); each counter
+frontend/http/transport.py's chunk writer), and the handler writes the others (`write`); each counter
 below is kept once, by whichever of the two handled the delta. A step's usual deltas wake no
 handler: waking one per stream per step is what the listener's write saves (bench/RESULTS.md,
 "SSE: the listener writes the usual event").
@@ -21,13 +21,13 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from gapless.common.messages import AddRequest, SamplingParams, TextDelta
-from gapless.frontend import metrics
-from gapless.frontend.asgi import RequestStats, Responder
-from gapless.frontend.engine_client import DEAD, EngineClient, EngineDeadError, StreamCut
-from gapless.frontend.inbox import IDLE as _IDLE_MARK
-from gapless.frontend.inbox import Inbox, coalesced, joined
-from gapless.frontend.queue_view import Ticket
-from gapless.frontend.responses import CompletionTokensDetails, PromptTokensDetails, Usage
+from gapless.frontend.api.replies import CompletionTokensDetails, PromptTokensDetails, Usage
+from gapless.frontend.engine.client import DEAD, EngineClient, EngineDeadError, StreamCut
+from gapless.frontend.engine.inbox import IDLE as _IDLE_MARK
+from gapless.frontend.engine.inbox import Inbox, coalesced, joined
+from gapless.frontend.engine.queue_view import Ticket
+from gapless.frontend.http import metrics
+from gapless.frontend.http.asgi import RequestStats, Responder
 
 log = logging.getLogger("gapless.frontend")
 

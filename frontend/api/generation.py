@@ -12,9 +12,13 @@ from dataclasses import dataclass, field
 from functools import partial
 
 from gapless.common.messages import TextDelta, TokenLogprob
-from gapless.frontend import metrics
-from gapless.frontend.admission import Admission
-from gapless.frontend.asgi import (
+from gapless.frontend.api.replies import Usage
+from gapless.frontend.api.state import FrontendState
+from gapless.frontend.api.stream import ChunkFormat, Job, RequestStream
+from gapless.frontend.engine.admission import Admission
+from gapless.frontend.engine.client import EngineDeadError, StreamCut
+from gapless.frontend.http import metrics
+from gapless.frontend.http.asgi import (
     STREAM_CONNECTION,
     ClientGone,
     HttpRequest,
@@ -23,11 +27,7 @@ from gapless.frontend.asgi import (
     SlowReaderWatch,
     unless_disconnected,
 )
-from gapless.frontend.engine_client import EngineDeadError, StreamCut
-from gapless.frontend.errors import ApiError, engine_unavailable
-from gapless.frontend.responses import Usage
-from gapless.frontend.state import FrontendState
-from gapless.frontend.stream import ChunkFormat, Job, RequestStream
+from gapless.frontend.http.errors import ApiError, engine_unavailable
 
 log = logging.getLogger("gapless.frontend")
 

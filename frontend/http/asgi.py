@@ -12,7 +12,7 @@ from typing import Any, Protocol, TypeVar
 
 import msgspec
 
-from gapless.frontend.errors import ApiError
+from gapless.frontend.http.errors import ApiError
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
@@ -31,9 +31,9 @@ _SSE = [
 _DONE = b"data: [DONE]\n\n"
 _KEEPALIVE = b": keep-alive\n\n"
 WATCH_TICK_S = 0.5  # how often a stream's writes are looked at
-# the scope extension with a server's `write_now(chunk) -> bool` (frontend/http.py)
+# the scope extension with a server's `write_now(chunk) -> bool` (frontend/http/transport.py)
 CHUNK_WRITER = "gapless.chunk_writer"
-# the scope extension with a server's StreamConnection (frontend/http.py): what the client
+# the scope extension with a server's StreamConnection (frontend/http/transport.py): what the client
 # has left unread, a bound on the kernel's send buffer, an end written past flow control
 STREAM_CONNECTION = "gapless.stream_connection"
 
@@ -138,7 +138,7 @@ class StreamConnection(Protocol):
 class Responder:
     """Sends one response: a JSON body, or an SSE stream started on its first event.
 
-    `write_now`, where the server gives one (frontend/http.py, CHUNK_WRITER), writes a body
+    `write_now`, where the server gives one (frontend/http/transport.py, CHUNK_WRITER), writes a body
     chunk at once or returns False; `event_now` uses it for the usual event of a stream.
     `connection` (STREAM_CONNECTION), where set, lets `end_now` cut a stream."""
 

@@ -16,6 +16,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from gapless.frontend.http.json_depth import deeper_than
+
 
 @dataclass
 class ParsedCall:
@@ -65,6 +67,10 @@ class HermesParser:
 
     @staticmethod
     def call_of(block: str) -> ParsedCall | None:
+        """The call a whole block holds; None if it holds none, or JSON nested past the
+        bound (json_depth.py), which stays content."""
+        if deeper_than(block):
+            return None
         try:
             value = json.loads(block)
         except ValueError:
@@ -73,6 +79,8 @@ class HermesParser:
             return None
         args = value.get("arguments", value.get("parameters", {}))
         if isinstance(args, str):  # some models write the arguments as a JSON string
+            if deeper_than(args):
+                return None
             try:
                 args = json.loads(args)
             except ValueError:

@@ -1,0 +1,1 @@
+"""The grammar pool: untrusted grammars compiled in worker processes that can be stopped."""

@@ -1,0 +1,1 @@
+"""The HTTP layer: raw ASGI, request bounds, OpenAI-style errors, the frontend's metrics."""
