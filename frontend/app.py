@@ -6,6 +6,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import TypeVar
 from urllib.parse import parse_qs, unquote
 
@@ -27,6 +28,7 @@ from gapless.frontend.asgi import (
 )
 from gapless.frontend.chat import handle_chat
 from gapless.frontend.completions import handle_completions
+from gapless.frontend.embeddings import handle_embeddings
 from gapless.frontend.engine_client import EngineDeadError
 from gapless.frontend.errors import ApiError
 from gapless.frontend.openapi import openapi_document
@@ -60,6 +62,7 @@ class App:
         self.routes: dict[str, dict[str, Handler]] = {
             "/v1/completions": {"POST": self._completions},
             "/v1/chat/completions": {"POST": self._chat},
+            "/v1/embeddings": {"POST": partial(handle_embeddings, state)},
             "/v1/models": {"GET": self._models},
             "/health": {"GET": self._health},
             "/openapi.json": {"GET": self._openapi_json},

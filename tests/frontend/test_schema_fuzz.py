@@ -87,4 +87,4 @@ def test_the_document_matches_the_server(make_config, hf_tokenizer, tmp_path) ->
     assert {p: phases[p]["status"] for p in ("coverage", "fuzzing", "stateful")} == dict.fromkeys(
         ("coverage", "fuzzing", "stateful"), "success"
     ), "the stateful phase ran over the links it found"
-    assert summary["operations"]["tested"] == summary["operations"]["total"] == 11
+    assert summary["operations"]["tested"] == summary["operations"]["total"] == 12
