@@ -9,6 +9,7 @@ bench plot --from a.json b.json --plot-dir figs
 bench host-floor --batches 64,256 --plot-dir figs   (the shortest sim step the host keeps fed)
 bench sse-ceiling --streams 256 --api-servers 1,2   (tokens/s the frontends deliver, engine no limit)
 bench connections --idle 20000 --slowloris 100 --launch -- --device sim   (held sockets beside a client)
+bench embeddings --launch -- --device cpu   (/v1/embeddings: 64 inputs x 128 tokens, inputs/s)
 """
 
 from __future__ import annotations
@@ -201,6 +202,11 @@ def main(argv: list[str] | None = None) -> None:
         from gapless.bench.sse_ceiling import main as sse_ceiling_main
 
         sse_ceiling_main(argv[1:])
+        return
+    if argv[:1] == ["embeddings"]:
+        from gapless.bench.embeddings import main as embeddings_main
+
+        embeddings_main(argv[1:])
         return
     if argv[:1] == ["connections"]:
         from gapless.bench.connections import main as connections_main
