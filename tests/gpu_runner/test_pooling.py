@@ -13,6 +13,7 @@ from gapless.common.messages import SamplingParams
 from tests.conftest import sim_config
 from tests.engine_harness import Harness, make_config
 from tests.family_models import build
+from tests.gpu_runner.test_cuda import gpu
 
 pytest.importorskip("transformers")
 
@@ -102,3 +103,26 @@ def test_sim_gives_a_deterministic_vector_of_the_hidden_size(default_gguf):
     assert a.shape == (576,)  # SmolLM2's hidden size
     np.testing.assert_array_equal(a, c)  # sim: seeded by the prompt's length
     assert not np.array_equal(a, b)
+
+
+@pytest.mark.gpu
+@gpu
+def test_cuda_pools_as_transformers_does(tmp_path, tiny_model_dir):
+    """The cuda path (flashinfer's head size 64, bfloat16): every kind, chunked and batched,
+    near transformers' float32 vectors."""
+    ref = build("qwen3", tmp_path, tiny_model_dir, hidden_size=256, head_dim=64,
+                intermediate_size=256)  # fmt: skip
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 40000, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+    with torch.no_grad():
+        hidden = [ref.model(torch.tensor([p])).last_hidden_state[0] for p in prompts]
+    config = make_config(tmp_path, device="cuda", dtype="bfloat16", block_size=16,
+                         max_num_seqs=16, max_num_batched_tokens=16)  # fmt: skip
+    harness = Harness(config)
+    cases = {f"{kind}-{i}": (kind, i) for kind in KINDS for i in range(len(prompts))}
+    for rid, (kind, i) in cases.items():
+        harness.add(rid, prompts[i], _params(kind))
+    harness.run()
+    for rid, vec in zip(cases, _vectors(harness, list(cases)), strict=True):
+        kind, i = cases[rid]
+        assert _cosine(vec, pool_of(kind, hidden[i])) >= 0.99, rid
