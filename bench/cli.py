@@ -11,6 +11,7 @@ bench sse-ceiling --streams 256 --api-servers 1,2   (tokens/s the frontends deli
 bench connections --idle 20000 --slowloris 100 --launch -- --device sim   (held sockets beside a client)
 bench route --groups 12 --prefix 512 -- --device sim   (KV-event routing vs round robin, two servers)
 bench kv-stall --streams 256 --seconds 10 -- --device sim   (a KV event subscriber that stops reading)
+bench embeddings --launch -- --device cpu   (/v1/embeddings: 64 inputs x 128 tokens, inputs/s)
 """
 
 from __future__ import annotations
@@ -212,6 +213,11 @@ def main(argv: list[str] | None = None) -> None:
         from gapless.bench.routing import main as route_main
 
         sys.exit(route_main(argv[1:]))
+    if argv[:1] == ["embeddings"]:
+        from gapless.bench.embeddings import main as embeddings_main
+
+        embeddings_main(argv[1:])
+        return
     if argv[:1] == ["connections"]:
         from gapless.bench.connections import main as connections_main
 

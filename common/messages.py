@@ -57,6 +57,10 @@ class SamplingParams(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fal
     # an llguidance grammar (the frontend compiles response_format and tool schemas to it and
     # checks it); sampling is limited to what it allows next
     grammar: str | None = None
+    # an embedding request (POST /v1/embeddings): the runner pools the final hidden state over
+    # the prompt ("last" token, "mean", "cls": the first token) and sends it with the one
+    # token it samples; no prefix-cache hit and no KV kept (the frontend sets max_tokens 1)
+    pooling: Literal["last", "mean", "cls"] | None = None
 
 
 # ---------------------------------------------------------------- frontend/detokenizer -> core
@@ -203,6 +207,9 @@ class StepResult(_Msg):
     logprobs: list[SampleLogprobs | None] = []
     timing: StepTiming | None = None
     prompt_logprobs: list[PromptLogprobs] = []  # chunks of slots that asked, in entry order
+    # same order as token_ids: the pooled hidden state of a pooling row (SamplingParams.pooling)
+    # as little-endian float32 bytes [hidden], b"" for other rows; empty when no row pools
+    embeddings: list[bytes] = []
 
 
 class RunnerReady(_Msg):
@@ -253,6 +260,8 @@ class TokenBatch(_Msg):
     num_cached_tokens: list[int] = []
     # per entry: the request's prompt logprobs, sent with its first token; empty when none
     prompt_logprobs: list[PromptLogprobs | None] = []
+    # per entry: its pooled vector (StepResult.embeddings), b"" for none; empty when none
+    embeddings: list[bytes] = []
 
 
 DetokInput = DetokNew | TokenBatch | Shutdown
@@ -286,6 +295,8 @@ class TextDelta(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     code: str | None = None  # with error: "queue_timeout" (the client's load), else an engine fault
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache; set on the last delta
     prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens after the first; first delta
+    # an embedding request's pooled vector, little-endian float32 [hidden]; on its last delta
+    embedding: bytes | None = None
 
 
 class TextDeltas(_Msg):

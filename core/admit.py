@@ -60,7 +60,7 @@ class Admission:
             # a request whose prompt logprobs are still to come computes its whole prompt:
             # tokens taken from the cache are never scored
             scoring = req.prompt_logprobs is not None
-            hit = self.prefix.lookup(req) if self.prefix.enabled and not scoring else []
+            hit = self.prefix.lookup(req) if self.prefix.takes(req) and not scoring else []
             cached = len(hit) * block_size
             n = min(total - cached, budget)
             nb = self.blocks.blocks_for(cached + n) - len(hit)

@@ -107,6 +107,9 @@ class Applier:
         if result.logprobs:
             logprobs = result.logprobs
             out.logprobs = list(logprobs) if kept is None else [logprobs[j] for j in kept.tolist()]
+        if result.embeddings:
+            vecs = result.embeddings
+            out.embeddings = list(vecs) if kept is None else [vecs[j] for j in kept.tolist()]
         if self.scoring:
             out.prompt_logprobs = [r.take_prompt_logprobs() for r in requests]
             self.scoring.difference_update(requests)

@@ -373,11 +373,17 @@ class EngineCore:
         if isinstance(result, StepRefused):
             return self._fail_step(f"the runner refused step {result.seq}: {result.reason}")
         step, n = inflight[0], len(result.token_ids)
-        lps = result.logprobs
-        if n == len(step.sampled) and result.timing is not None and (not lps or len(lps) == n):
+        lps, vecs = result.logprobs, result.embeddings
+        if (
+            n == len(step.sampled)
+            and result.timing is not None
+            and (not lps or len(lps) == n)
+            and (not vecs or len(vecs) == n)
+        ):
             return self._apply(result)
         why = (
-            f"the result of step {result.seq} has {n} ids and {len(lps)} logprobs for "
+            f"the result of step {result.seq} has {n} ids, {len(lps)} logprobs and "
+            f"{len(vecs)} embeddings for "
             f"{len(step.sampled)} sampled entries, timing {result.timing is not None}"
         )
         self.bad.report("result_shape", f"{why}; its requests ended with an error")
@@ -447,6 +453,7 @@ class EngineCore:
             else [r.num_prompt for r in out.requests],
             logprobs=out.logprobs,
             prompt_logprobs=out.prompt_logprobs,
+            embeddings=out.embeddings,
         )
         if any(out.end_reasons):  # why only then: the count is read from the last delta
             batch.num_cached_tokens = [r.num_cached_prompt for r in out.requests]
@@ -462,5 +469,7 @@ class EngineCore:
                     batch.num_cached_tokens.append(0)
                 if batch.prompt_logprobs:
                     batch.prompt_logprobs.append(None)
+                if batch.embeddings:
+                    batch.embeddings.append(b"")
             self._ended.clear()
         return batch

@@ -8,9 +8,11 @@ blocks that its steps already planned have filled, so a request sharing a prefix
 still running finds it, and never a block that the step being planned writes. The rest of its
 full blocks with known ids are registered when it leaves its slot (finished or preempted), so
 a preempted request usually finds its own KV again, and those a sliding window leaves behind
-just before they go back (core/window.py). The allocator names registered blocks only when a
-lookup asks, so distinct prompts pay one probe per lookup and one registration per request for
-the cache.
+just before they go back (core/window.py). An embedding request (SamplingParams.pooling) takes
+nothing from the cache and offers nothing to it: its mean or first-token pooling must see every
+prompt token computed, and its KV is not wanted after it. The allocator names registered blocks
+only when a lookup asks, so distinct prompts pay one probe per lookup and one registration per
+request for the cache.
 """
 
 from __future__ import annotations
@@ -96,13 +98,17 @@ class PrefixCache:
             return False
         return num_freed == 0 or self.blocks.has_head(req.block_hashes[0])
 
+    def takes(self, req: Request) -> bool:
+        """Whether req may take blocks from the cache and offer its own: not an embedding."""
+        return self.enabled and req.params.pooling is None
+
     def offer(self, req: Request, computed: int, num_freed: int = 0) -> None:
         """Register a request's full blocks that the steps planned so far (all sent), having
         computed this many tokens, have filled and whose ids are known, past those it
         registered before; nothing once its chain has lost a block (`keeps`). Those the
         frontend's prompt hashes cover go with their hashes; the rest (outputs) with their
         tokens, hashed only if a lookup ever asks (kv_blocks: lazy names)."""
-        if num_freed and not self.keeps(req, num_freed):
+        if req.params.pooling is not None or (num_freed and not self.keeps(req, num_freed)):
             return
         bs = self.blocks.block_size
         known = min(computed, req.num_prompt + req.num_outputs)

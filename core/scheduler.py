@@ -96,7 +96,7 @@ class Scheduler:
         req = Request(msg, self.rb, self._num_added)
         assert req.request_id not in self.requests, f"duplicate request id {req.request_id}"
         req.tenant_id = self.policy.tenant_id(req.tenant)
-        if msg.block_hashes and self.prefix.enabled:
+        if msg.block_hashes and self.prefix.takes(req):
             assert len(msg.block_hashes) <= req.num_prompt // self.blocks.block_size
             req.block_hashes = msg.block_hashes
         self.requests[req.request_id] = req

@@ -42,6 +42,8 @@ class StepOutput:
     logprobs: list[SampleLogprobs | None] = field(default_factory=list)  # empty: none asked
     # per request: its prompt logprobs, with its first output token; empty: none in this step
     prompt_logprobs: list[PromptLogprobs | None] = field(default_factory=list)
+    # per request: its pooled vector (an embedding request), b"" for others; empty: none
+    embeddings: list[bytes] = field(default_factory=list)
     # per request, when every row of the step was still live (else None: read the requests)
     request_ids: list[str] | None = None
     num_prompt_tokens: list[int] | None = None

@@ -86,7 +86,11 @@ class DetokenizerState:
         num_prompt_tokens = batch.num_prompt_tokens
         # why: an entry with one token and nothing beside it takes the cheaper step_token
         simple = not (
-            batch.logprobs or batch.errors or batch.num_cached_tokens or batch.prompt_logprobs
+            batch.logprobs
+            or batch.errors
+            or batch.num_cached_tokens
+            or batch.prompt_logprobs
+            or batch.embeddings
         )
         pos = 0  # into token_ids and logprobs: past the entry's tokens
         for i, request_id in enumerate(batch.request_ids):
@@ -128,6 +132,7 @@ class DetokenizerState:
             and len(batch.errors) in (0, n)
             and len(batch.num_cached_tokens) in (0, n)
             and len(batch.prompt_logprobs) in (0, n)
+            and len(batch.embeddings) in (0, n)
             and len(batch.logprobs) in (0, len(batch.token_ids))
         )
 
@@ -161,4 +166,6 @@ class DetokenizerState:
         delta = req.step(ids, batch.finish_reasons[i], batch.num_prompt_tokens[i], token_lps, error)
         if delta is not None and batch.num_cached_tokens:
             delta.num_cached_tokens = batch.num_cached_tokens[i]
+        if delta is not None and batch.embeddings and batch.embeddings[i]:
+            delta.embedding = batch.embeddings[i]
         return delta

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from functools import partial
 from typing import TypeVar
 from urllib.parse import parse_qs, unquote
 
@@ -16,6 +17,7 @@ from gapless.common import metrics as core_metrics
 from gapless.common.messages import HEARTBEAT_TIMEOUT_S, KEEP_STEPS
 from gapless.frontend.api.chat import handle_chat
 from gapless.frontend.api.completions import handle_completions
+from gapless.frontend.api.embeddings import handle_embeddings
 from gapless.frontend.api.openapi import openapi_document
 from gapless.frontend.api.replies import Health, ModelCard, ModelList
 from gapless.frontend.api.state import FrontendState
@@ -62,6 +64,7 @@ class App:
         self.routes: dict[str, dict[str, Handler]] = {
             "/v1/completions": {"POST": self._completions},
             "/v1/chat/completions": {"POST": self._chat},
+            "/v1/embeddings": {"POST": partial(handle_embeddings, state)},
             "/v1/models": {"GET": self._models},
             "/health": {"GET": self._health},
             "/live": {"GET": self._live},

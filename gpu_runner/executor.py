@@ -40,6 +40,7 @@ from gapless.gpu_runner.device import DeviceParts
 from gapless.gpu_runner.graph import DecodeGraphs, capture_sizes
 from gapless.gpu_runner.kv_cache import KVCache, make_kv_cache
 from gapless.gpu_runner.model import CausalLM
+from gapless.gpu_runner.pooling import Pooler, embedding_bytes
 from gapless.gpu_runner.sampling.grammar import GrammarRows
 from gapless.gpu_runner.sampling.logprobs import SampleOutput, row_logprobs
 from gapless.gpu_runner.sampling.prompt_logprobs import PromptScores
@@ -64,6 +65,8 @@ class Launched:
     num_logprobs: np.ndarray  # [B_s] int64: each sampled row's ask (-1: none)
     # why computed at launch: only requests that ask for prompt logprobs pay the wait it costs
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)
+    # embedding requests that sampled: [P, hidden] float32 on device, [P] their sampled rows
+    pooled: tuple[torch.Tensor, np.ndarray] | None = None
 
 
 def step_result(seq: int, out: SampleOutput, num_logprobs: np.ndarray) -> StepResult:
@@ -109,6 +112,7 @@ class StepExecutor:
         self.grammar = GrammarRows(tokenizer, arch.vocab_size, eos, slots, self.device)
         self.num_logprobs = np.full(slots, -1, dtype=np.int64)  # -1: not asked
         self.prompts = PromptScores(slots, config.max_logprobs)
+        self.pooler = Pooler(slots, arch.hidden_size, self.device)
         self.last_seq = 0
 
     def make_kv_cache(self, num_blocks: int) -> KVCache:
@@ -127,14 +131,19 @@ class StepExecutor:
             copy = self.results.start(None, mark)
             return Launched(plan.seq, received, received, received, mark, mark, mark, copy,
                             _NO_ASKS)  # fmt: skip
-        inp, meta = self.prepare(plan)
+        pooling = self.pooler.in_plan(plan)
+        inp, meta = self.prepare(plan, pooling)
         prepared = time.perf_counter()
         start = self.timeline.mark()
-        logits = self.run_model(inp, meta)
+        if pooling:
+            logits = self.run_pooling(plan, inp, meta)
+        else:
+            logits = self.run_model(inp, meta)
         forwarded = self.timeline.mark()
         out = self.sample(inp, logits[: inp.num_sample])
         end = self.timeline.mark()
         scored = self.prompts.score(inp, logits[inp.num_sample :])
+        pooled = self.pooler.take(inp.sample_slots_host) if pooling else None
         return Launched(
             seq=plan.seq,
             received=received,
@@ -146,6 +155,7 @@ class StepExecutor:
             copy=self.results.start(out, end),
             num_logprobs=self.num_logprobs[inp.sample_slots_host],
             prompt_logprobs=scored,
+            pooled=pooled,
         )
 
     def seconds_until_ready(self, handle: Launched) -> float:
@@ -159,6 +169,8 @@ class StepExecutor:
         else:
             result = step_result(handle.seq, host, handle.num_logprobs)
             result.prompt_logprobs = handle.prompt_logprobs
+            if handle.pooled is not None:
+                result.embeddings = embedding_bytes(*handle.pooled, len(result.token_ids))
         h, clock = handle, self.timeline
         result.timing = StepTiming(
             plan_received=h.received,
@@ -188,6 +200,7 @@ class StepExecutor:
             self.sampler.remove(slot)
             self.prompts.remove(slot)
             self.grammar.remove(slot)
+            self.pooler.remove(slot)
         for new in plan.new_slots:
             self.batch.add(new.slot)
             self.sampler.add(new.slot, new.params, new.num_prompt_tokens)
@@ -197,11 +210,14 @@ class StepExecutor:
             lp = new.params.logprobs
             self.num_logprobs[new.slot] = -1 if lp is None else min(lp, self.config.max_logprobs)
             self.prompts.add(new)
+            self.pooler.add(new.slot, new.params.pooling, new.num_prompt_tokens)
 
-    def prepare(self, plan: StepPlan) -> tuple[StepInputs, AttentionMeta]:
-        """Host work: the static table (not yet uploaded) and the attention plan."""
+    def prepare(self, plan: StepPlan, pooling: bool = False) -> tuple[StepInputs, AttentionMeta]:
+        """Host work: the static table (not yet uploaded) and the attention plan. A step with
+        a pooling slot runs unpadded (its rows are the plan's tokens, in order)."""
         self.grammar.feed_plan(plan)
-        inp = self.batch.prepare(plan, pad=self.use_graphs, scored_until=self.prompts.asked())
+        pad = self.use_graphs and not pooling
+        inp = self.batch.prepare(plan, pad=pad, scored_until=self.prompts.asked())
         meta = self.attn.build(inp.layout, self.batch.column(SLOT_MAPPING, inp.num_rows))
         return inp, meta
 
@@ -211,14 +227,18 @@ class StepExecutor:
         meta: AttentionMeta,
         num_logits: int | None = None,
         run_layers: Callable | None = None,
-    ) -> torch.Tensor:  # [num_logits, vocab] float32
-        """The model over the first num_rows rows of the static table; what the graphs hold."""
+        pool_rows: torch.Tensor | None = None,
+    ) -> Any:
+        """The model over the first num_rows rows of the static table; what the graphs hold.
+        [num_logits, vocab] float32 logits; with pool_rows, (logits, [K, hidden] float32)."""
         fed = self.batch.column(IDS, num_rows)
         from_device = self.batch.last_token[self.batch.column(TOK_SLOT, num_rows)]
         input_ids = torch.where(fed >= 0, fed, from_device)  # [rows] long
         positions = self.batch.column(POSITIONS, num_rows)
         logit_rows = self.batch.column(LOGIT_ROWS, num_rows if num_logits is None else num_logits)
-        return self.model(input_ids, positions, self.kv_cache, meta, logit_rows, run_layers)
+        return self.model(
+            input_ids, positions, self.kv_cache, meta, logit_rows, run_layers, pool_rows
+        )
 
     def run_model(self, inp: StepInputs, meta: AttentionMeta) -> torch.Tensor:
         """[B_s + P, vocab] float32 logits of the sampling entries in entry order, then of the
@@ -230,6 +250,21 @@ class StepExecutor:
         if inp.padded:
             return self.graphs.run(inp.num_rows, meta)[:num_logits]
         return self.forward(inp.num_rows, meta, num_logits)
+
+    def run_pooling(self, plan: StepPlan, inp: StepInputs, meta: AttentionMeta) -> torch.Tensor:
+        """run_model for a step with pooling slots (unpadded): the logits, and each pooling
+        slot's kept hidden states added to its pool."""
+        assert not inp.padded
+        rows, slots = self.pooler.rows(plan)
+        self.batch.upload(inp)
+        if self.before_forward is not None:
+            self.before_forward(inp.num_rows)
+        pool_rows = torch.from_numpy(rows).to(self.device)
+        num_logits = inp.num_sample + inp.num_scored
+        logits, hidden = self.forward(inp.num_rows, meta, num_logits, pool_rows=pool_rows)
+        if len(rows):
+            self.pooler.accumulate(hidden, slots)
+        return logits
 
     def sample(self, inp: StepInputs, logits: torch.Tensor) -> SampleOutput:
         """Sample, write last_token, and count the step's tokens for penalties; no host sync."""

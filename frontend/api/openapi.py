@@ -33,6 +33,7 @@ from gapless.common.sampling_ranges import (
     max_tokens_range,
     n_range,
 )
+from gapless.frontend.api.embeddings import EMBEDDINGS_PATH, embedding_rules, embedding_types
 from gapless.frontend.api.params import MAX_CACHE_SALT_CHARS, MAX_LOGIT_BIAS
 from gapless.frontend.api.protocol import ChatCompletionRequest, CompletionRequest
 from gapless.frontend.api.replies import (
@@ -260,6 +261,9 @@ def _request_rules(components: dict[str, Any], config: EngineConfig) -> None:
         _given("messages", {"type": "array"}),
     ]
     components["DetokenizeRequest"]["properties"]["tokens"] = _token_ids(config)
+    embedding_rules(components["EmbeddingRequest"], _token_ids(config), config)
+    for field in ("user", "priority"):
+        _constrain(components["EmbeddingRequest"]["properties"][field], ranges[field])
 
 
 def _stream_chunks(components: dict[str, Any]) -> None:
@@ -273,6 +277,7 @@ def _stream_chunks(components: dict[str, Any]) -> None:
 OPERATION_IDS = {
     "/v1/completions": "createCompletion",
     "/v1/chat/completions": "createChatCompletion",
+    EMBEDDINGS_PATH: "createEmbedding",
     "/v1/models": "listModels",
     "/v1/models/{model}": "retrieveModel",
     "/tokenize": "tokenize",
@@ -320,6 +325,7 @@ def openapi_document(
         DetokenizeRequest,
         DetokenizeResponse,
         Version,
+        *embedding_types(),
     ]
     _, components = msgspec.json.schema_components(types, ref_template=_REF)
     _stream_chunks(components)
@@ -373,6 +379,9 @@ def openapi_document(
             ),
             "/v1/chat/completions": _generate(
                 "ChatCompletionRequest", "ChatCompletion", "ChatCompletionChunk", "chat completion"
+            ),
+            EMBEDDINGS_PATH: _post(
+                "EmbeddingRequest", "EmbeddingList", "embeddings", 400, 401, 404, 413, 429, 500, 503
             ),
             "/v1/models": _get("ModelList", "the served model", 401),
             "/v1/models/{model}": model,

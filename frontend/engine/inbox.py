@@ -172,6 +172,7 @@ def joined(deltas: list[TextDelta]) -> TextDelta:
         last.code,
         num_cached_tokens=last.num_cached_tokens,
         prompt_logprobs=prompt_logprobs,
+        embedding=last.embedding,
     )
 
 

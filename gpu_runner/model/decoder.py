@@ -182,7 +182,11 @@ class CausalLM(nn.Module):
         logit_rows: torch.Tensor,  # [B] long: rows whose next-token logits are wanted
         # (layers, x, cos, sin, kv_cache, meta) -> x: the decoder layers run some other way
         run_layers: Callable | None = None,
-    ) -> torch.Tensor:  # [B, vocab] float32
+        # [K] long: rows whose final hidden state is wanted too (embedding requests' pooling)
+        pool_rows: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """[B, vocab] float32 logits; with pool_rows, also [K, hidden] float32: those rows'
+        hidden states after the final norm (the state an embedding pools)."""
         x = self.embed(input_ids)
         if self.arch.embed_scale != 1.0:
             x = x * _in_dtype(self.arch.embed_scale, x.dtype)
@@ -192,6 +196,7 @@ class CausalLM(nn.Module):
         else:
             for i, layer in enumerate(self.model.layers):
                 x = layer(x, cos, sin, kv_cache[i], meta)
+        pooled = None if pool_rows is None else self.model.norm(x.index_select(0, pool_rows))
         x = self.model.norm(x.index_select(0, logit_rows))
         logits = self.lm_head(x).float()
         if self.tp is not None:  # [B, chunk] per rank -> [B, vocab] on every rank
@@ -199,4 +204,4 @@ class CausalLM(nn.Module):
         if self.arch.final_softcap:
             cap = self.arch.final_softcap
             logits = torch.tanh(logits / cap) * cap
-        return logits
+        return logits if pooled is None else (logits, pooled.float())

@@ -6,7 +6,9 @@ the step on an emulated device that runs steps back to back:
 device_start = max(launch time, device_free_at), device_end = device_start + t_step (the
 profile's modelled time, sim). Sampled ids are drawn from a seeded generator over the real
 tokenizer's ordinary tokens, never EOS or special tokens, so requests end by length or stop
-strings and detokenization does real work.
+strings and detokenization does real work. An embedding request (SamplingParams.pooling) gets
+a stand-in vector of the model's hidden size, drawn from a generator seeded by the engine's
+seed and its prompt length: deterministic, and meaningless (sim).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 
 from gapless.common.config import EngineConfig
 from gapless.common.messages import SampleLogprobs, StepPlan, StepResult, StepTiming
-from gapless.common.model_files import load_tokenizer
+from gapless.common.model_files import load_arch, load_tokenizer
 from gapless.gpu_runner.batch import SLOT_MAPPING, batch_for
 from gapless.gpu_runner.sampling.grammar import GrammarRows
 from gapless.gpu_runner.sampling.logprobs import row_logprobs
@@ -46,6 +48,7 @@ class SimStep:
     seq: int
     token_ids: np.ndarray  # [B_s] int64
     asks: np.ndarray  # [B_s] int64, logprobs each sampled row asked for (-1: none)
+    pooled: np.ndarray  # [B_s] int64, the prompt length of each row that pools (0: none)
     received: float
     launched: float
     device_start: float
@@ -70,6 +73,8 @@ class SimBackend:
         slots = config.max_num_seqs
         self.batch = batch_for(config, "cpu", self.num_blocks)
         self.num_logprobs = np.full(slots, -1, dtype=np.int64)  # -1: not asked
+        self.pooling = np.zeros(slots, dtype=np.int64)  # prompt length of a pooling slot, or 0
+        self.hidden_size = load_arch(config.model).hidden_size
         # top-k logprobs of rank r: log(2^-(r+1)), the sampled token at rank 0 (sim)
         k = max(config.max_logprobs, 1)
         self.rank_logprobs = -np.log(2.0) * np.arange(1, k + 1)
@@ -95,7 +100,8 @@ class SimBackend:
         self._apply_slots(plan)
         if not plan.slots:
             none = np.zeros(0, np.int64)
-            return SimStep(plan.seq, none, none, received, received, received, received, received)
+            return SimStep(plan.seq, none, none, none, received, received, received, received,
+                           received)  # fmt: skip
         num_tokens, num_prefill, total_context, attended, sample_slots = self._prepare(plan)
         token_ids = self.vocab[self.rng.integers(0, len(self.vocab), len(sample_slots))]
         if self.grammar.any_in(sample_slots):
@@ -109,7 +115,8 @@ class SimBackend:
         self.device_free_at = end
         asks = self.num_logprobs[sample_slots]
         ready = end + self.profile.d2h_us * 1e-6
-        return SimStep(plan.seq, token_ids, asks, received, launched, start, end, ready)
+        pooled = self.pooling[sample_slots]
+        return SimStep(plan.seq, token_ids, asks, pooled, received, launched, start, end, ready)
 
     def seconds_until_ready(self, handle: SimStep) -> float:
         return max(0.0, handle.ready_at - time.perf_counter())
@@ -121,6 +128,8 @@ class SimBackend:
         result = StepResult(seq=handle.seq, token_ids=handle.token_ids.tolist())
         if (handle.asks >= 0).any():
             result.logprobs = self._logprobs(handle)
+        if handle.pooled.any():
+            result.embeddings = [self._vector(int(n)) if n else b"" for n in handle.pooled]
         h = handle
         result.timing = StepTiming(
             plan_received=h.received,
@@ -151,12 +160,14 @@ class SimBackend:
         for slot in plan.freed_slots:
             self.batch.remove(slot)
             self.num_logprobs[slot] = -1
+            self.pooling[slot] = 0
             self.grammar.remove(slot)
         for new in plan.new_slots:
             self.grammar.add(new.slot, new.params.grammar, new.num_prompt_tokens)
             self.batch.add(new.slot)
             lp = new.params.logprobs
             self.num_logprobs[new.slot] = -1 if lp is None else min(lp, self.config.max_logprobs)
+            self.pooling[new.slot] = new.num_prompt_tokens if new.params.pooling else 0
 
     def _prepare(self, plan: StepPlan) -> tuple[int, int, int, int, np.ndarray]:
         self.grammar.feed_plan(plan)
@@ -178,6 +189,11 @@ class SimBackend:
         # keys attended: query i of an entry sees start + i + 1 keys (causal)
         attended = int((n * (ctx - n) + n * (n + 1) // 2).sum())
         return t, inp.num_fed, int(ctx.sum()), attended, inp.sample_slots_host
+
+    def _vector(self, num_prompt: int) -> bytes:
+        """The stand-in embedding of a prompt of this length: little-endian float32 (sim)."""
+        rng = np.random.default_rng([self.config.seed, 2, num_prompt])
+        return rng.standard_normal(self.hidden_size, dtype=np.float32).astype("<f4").tobytes()
 
     def _logprobs(self, h: SimStep) -> list[SampleLogprobs | None]:
         """Sampled token at rank 0 of a halving distribution; the rest random ordinary ids."""

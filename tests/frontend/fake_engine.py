@@ -12,6 +12,7 @@ import asyncio
 import time
 from collections.abc import Callable
 
+import numpy as np
 import tokenizers
 
 from gapless.common.messages import (
@@ -67,6 +68,14 @@ def request_stream(
     job = Job("completions", request_id, prompts, params, tenant, priority, time.time(), ticket,
               label=label)  # fmt: skip
     return RequestStream(client, job) if direct is None else _WrittenBy(client, job, direct)
+
+
+def fake_embedding(prompt_ids: list[int]) -> bytes:
+    """A pooling request's stand-in vector: [8] little-endian float32 from its token ids."""
+    vec = np.zeros(8, dtype="<f4")
+    for i, t in enumerate(prompt_ids):
+        vec[i % 8] += t % 97 + 1
+    return vec.tobytes()
 
 
 class FakeEngine(EngineClient):
@@ -171,6 +180,8 @@ class FakeEngine(EngineClient):
             )
             if finish is not None:
                 delta.num_cached_tokens = self.cached_tokens
+                if params.pooling is not None:
+                    delta.embedding = fake_embedding(req.prompt_token_ids)
             if i == 0 and params.prompt_logprobs is not None:  # each prompt token scores -0.25
                 delta.prompt_logprobs = [
                     TokenLogprob(self.tokenizer.decode([t]), -0.25, t, [])

@@ -170,3 +170,32 @@ def test_models_and_openapi(server, client):
     assert [m.id for m in client.models.list().data] == ["tiny"]
     spec = httpx.get(server.url + "/openapi.json").json()
     assert "/v1/chat/completions" in spec["paths"] and "/v1/completions" in spec["paths"]
+
+
+def test_embeddings_equal_transformers_base64_and_float(client, tiny_model_dir):
+    """client.embeddings.create (base64, the client's default) and float: the last token's
+    final hidden state, normalized (no sentence-transformers files), as transformers has it;
+    batched equals alone. Mean and CLS pooling: tests/gpu_runner/test_pooling.py."""
+    import numpy as np
+    import tokenizers
+    import torch
+    import transformers
+
+    texts = ["The capital of France is Paris.", "Queues grow when the device waits."]
+    b64 = client.embeddings.create(model="tiny", input=texts)
+    floats = client.embeddings.create(model="tiny", input=texts, encoding_format="float")
+    alone = client.embeddings.create(model="tiny", input=texts[1])
+    tok = tokenizers.Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
+    ref = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir).float().eval()
+    ids = [tok.encode(t).ids for t in texts]
+    assert b64.usage.prompt_tokens == b64.usage.total_tokens == sum(map(len, ids))
+    for i, prompt in enumerate(ids):
+        with torch.no_grad():
+            want = ref.model(torch.tensor([prompt])).last_hidden_state[0, -1].numpy()
+        got = np.asarray(b64.data[i].embedding)
+        assert float(got @ want / np.linalg.norm(want)) >= 0.9999
+        np.testing.assert_allclose(floats.data[i].embedding, got, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(alone.data[0].embedding, b64.data[1].embedding, atol=1e-6)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.embeddings.create(model="tiny", input=[])
+    assert err.value.body["param"] == "input"

@@ -26,6 +26,8 @@ from gapless.common.messages import (
     EngineStats,
     GetStats,
     GetTimeline,
+    PrefixCacheReset,
+    ResetPrefixCache,
     Timeline,
     TimelineSummary,
 )
@@ -52,6 +54,8 @@ class LiveEngine(FakeEngine):
                 self.dispatch(EngineStats(token, 0, 0, 10, 10))
             case GetTimeline(token=token):
                 self.dispatch(Timeline(token, "sim", True, [], TimelineSummary(0.0, 0.0, 0.0)))
+            case ResetPrefixCache(token=token):
+                self.dispatch(PrefixCacheReset(token, True))
             case _:
                 super()._receive(msg)
 
@@ -87,4 +91,4 @@ def test_the_document_matches_the_server(make_config, hf_tokenizer, tmp_path) ->
     assert {p: phases[p]["status"] for p in ("coverage", "fuzzing", "stateful")} == dict.fromkeys(
         ("coverage", "fuzzing", "stateful"), "success"
     ), "the stateful phase ran over the links it found"
-    assert summary["operations"]["tested"] == summary["operations"]["total"] == 11
+    assert summary["operations"]["tested"] == summary["operations"]["total"] == 14
