@@ -100,6 +100,8 @@ class EngineCore:
             prefix_caching=config.prefix_caching,
             model_salt=config.model.path,
             window=config.model.kv_window,
+            speculative=config.speculative,
+            num_speculative_tokens=config.num_speculative_tokens,
         )
         self.inflight: deque[ScheduledStep] = deque()
         self.stall = StallWatch(config.stall_timeout_s)
@@ -346,7 +348,12 @@ class EngineCore:
             return self._fail_step(f"the runner refused step {result.seq}: {result.reason}")
         step, n = inflight[0], len(result.token_ids)
         lps = result.logprobs
-        if n == len(step.sampled) and result.timing is not None and (not lps or len(lps) == n):
+        rows = n
+        if result.counts:  # a verify: counts[j] ids for row j, each at least one
+            rows = len(result.counts) if sum(result.counts) == n else -1
+            if min(result.counts) < 1 or step.drafts is None:
+                rows = -1
+        if rows == len(step.sampled) and result.timing is not None and (not lps or len(lps) == n):
             return self._apply(result)
         why = (
             f"the result of step {result.seq} has {n} ids and {len(lps)} logprobs for "
@@ -411,7 +418,7 @@ class EngineCore:
             request_ids=[*out.request_ids]
             if out.request_ids is not None
             else [r.request_id for r in out.requests],
-            counts=[1] * n,
+            counts=[1] * n if out.counts is None else out.counts,
             token_ids=out.token_ids,
             finish_reasons=out.end_reasons,
             num_prompt_tokens=[*out.num_prompt_tokens]
