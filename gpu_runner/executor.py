@@ -44,6 +44,8 @@ from gapless.gpu_runner.sampling.grammar import GrammarRows
 from gapless.gpu_runner.sampling.logprobs import SampleOutput, row_logprobs
 from gapless.gpu_runner.sampling.prompt_logprobs import PromptScores
 from gapless.gpu_runner.sampling.sampler import SamplerState
+from gapless.gpu_runner.speculate import Drafts
+from gapless.gpu_runner.verify import verify
 
 _NO_ASKS = np.zeros(0, dtype=np.int64)
 
@@ -69,6 +71,8 @@ class Launched:
 def step_result(seq: int, out: SampleOutput, num_logprobs: np.ndarray) -> StepResult:
     """out holds host tensors; num_logprobs [B_s] is each sampled row's ask (-1: none)."""
     result = StepResult(seq=seq, token_ids=out.token_ids.tolist())
+    if out.counts is not None:
+        result.counts, result.num_drafted = out.counts.tolist(), out.num_drafted.tolist()
     if out.logprobs is not None:
         result.logprobs = row_logprobs(num_logprobs, out.logprobs, out.top_ids, out.top_logprobs)
     return result
@@ -109,6 +113,7 @@ class StepExecutor:
         self.grammar = GrammarRows(tokenizer, arch.vocab_size, eos, slots, self.device)
         self.num_logprobs = np.full(slots, -1, dtype=np.int64)  # -1: not asked
         self.prompts = PromptScores(slots, config.max_logprobs)
+        self.drafts = Drafts(slots)
         self.last_seq = 0
 
     def make_kv_cache(self, num_blocks: int) -> KVCache:
@@ -135,6 +140,9 @@ class StepExecutor:
         out = self.sample(inp, logits[: inp.num_sample])
         end = self.timeline.mark()
         scored = self.prompts.score(inp, logits[inp.num_sample :])
+        asks = self.num_logprobs[inp.sample_slots_host]
+        if out.counts is not None:  # a verify: asks per output token
+            asks = np.repeat(self.num_logprobs[inp.entry_slots_host], out.counts)
         return Launched(
             seq=plan.seq,
             received=received,
@@ -144,7 +152,7 @@ class StepExecutor:
             forwarded=forwarded,
             end=end,
             copy=self.results.start(out, end),
-            num_logprobs=self.num_logprobs[inp.sample_slots_host],
+            num_logprobs=asks,
             prompt_logprobs=scored,
         )
 
@@ -188,6 +196,7 @@ class StepExecutor:
             self.sampler.remove(slot)
             self.prompts.remove(slot)
             self.grammar.remove(slot)
+            self.drafts.remove(slot)
         for new in plan.new_slots:
             self.batch.add(new.slot)
             self.sampler.add(new.slot, new.params, new.num_prompt_tokens)
@@ -197,13 +206,36 @@ class StepExecutor:
             lp = new.params.logprobs
             self.num_logprobs[new.slot] = -1 if lp is None else min(lp, self.config.max_logprobs)
             self.prompts.add(new)
+            if new.draft_method:
+                self.drafts.add(new.slot, new.draft_method, new.prediction, new.cached_ids)
 
     def prepare(self, plan: StepPlan) -> tuple[StepInputs, AttentionMeta]:
         """Host work: the static table (not yet uploaded) and the attention plan."""
         self.grammar.feed_plan(plan)
-        inp = self.batch.prepare(plan, pad=self.use_graphs, scored_until=self.prompts.asked())
+        drafts = None
+        if self.drafts.active.any():
+            drafts = self._draft(plan)
+        inp = self.batch.prepare(
+            plan, pad=self.use_graphs, scored_until=self.prompts.asked(), drafts=drafts
+        )
         meta = self.attn.build(inp.layout, self.batch.column(SLOT_MAPPING, inp.num_rows))
         return inp, meta
+
+    def _draft(self, plan: StepPlan) -> list[list[int]] | None:
+        """Note the ids the plan feeds to drafting slots; the drafts of each entry the plan
+        lets verify some ([B]), or None."""
+        drafts, at = self.drafts, 0
+        for slot, n, has in zip(plan.slots, plan.num_tokens, plan.has_tokens, strict=True):
+            if has:
+                if drafts.active[slot]:
+                    drafts.fed(slot, plan.token_ids[at : at + n])
+                at += n
+        if not plan.num_draft:
+            return None
+        return [
+            drafts.propose(slot, k) if k else []
+            for slot, k in zip(plan.slots, plan.num_draft, strict=True)
+        ]
 
     def forward(
         self,
@@ -241,6 +273,8 @@ class StepExecutor:
         slots = col(SAMPLE_SLOTS, inp.num_sample)
         positions = col(SAMPLE_POSITIONS, inp.num_sample)
         host = inp.sample_slots_host
+        if inp.sample_counts is not None:
+            return verify(self, inp, logits, slots, positions)
         constrain = None
         if self.grammar.any_in(host):
             constrain = lambda x, inplace: self.grammar.apply(x, host, inplace)  # noqa: E731
@@ -249,6 +283,10 @@ class StepExecutor:
         if not out.plain:  # plain: no penalty, bad word or grammar keeps count of outputs
             self.sampler.record(slots, positions, out.token_ids, host)
             self.grammar.remember(host, out.token_ids)
+        if self.drafts.any_in(host):  # why the host copy: the drafts of the next step read it
+            for slot, token in zip(host.tolist(), out.token_ids.tolist(), strict=True):
+                if self.drafts.active[slot]:
+                    self.drafts.sampled(slot, [token])
         return out
 
     @torch.inference_mode()
