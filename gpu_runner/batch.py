@@ -110,6 +110,7 @@ class PersistentBatch:
         # device-fed entry starts, ahead of the plan's start_pos by the drafts accepted in steps
         # the core had not applied when it planned (equal without drafts)
         self.length = np.zeros(max_slots, dtype=np.int64)
+        self.drafting = np.zeros(max_slots, dtype=bool)  # [max_slots] length is followed
         self.active = np.zeros(max_slots, dtype=bool)
         # [max_slots] long, on device: the token each slot sampled last
         self.last_token = torch.zeros(max_slots, dtype=torch.long, device=self.device)
@@ -124,11 +125,12 @@ class PersistentBatch:
     def max_blocks_per_seq(self) -> int:
         return self.block_table.shape[1]
 
-    def add(self, slot: int) -> None:
+    def add(self, slot: int, drafting: bool = False) -> None:
         assert not self.active[slot], f"slot {slot} added twice"
         self.active[slot] = True
         self.num_blocks[slot] = 0
         self.length[slot] = 0
+        self.drafting[slot] = drafting
 
     def remove(self, slot: int) -> None:
         assert self.active[slot], f"slot {slot} freed while not in use"
@@ -163,11 +165,11 @@ class PersistentBatch:
         if drafts is not None:
             d = np.fromiter(map(len, drafts), np.int64, len(slots))
             d = d if d.any() else None
-        has = np.asarray(plan.has_tokens, dtype=bool)
-        if not has.all():  # device-fed entries start where the slot's kept tokens end
-            own = self.length[slots]
-            assert (own[~has] >= start[~has]).all(), "a slot behind its plan"
-            start = np.where(has, start, own)
+        drafting = self.drafting[slots]
+        if drafting.any():  # their device-fed entries start where the kept tokens end
+            own = drafting & ~np.asarray(plan.has_tokens, dtype=bool)
+            assert (self.length[slots][own] >= start[own]).all(), "a slot behind its plan"
+            start = np.where(own, self.length[slots], start)
 
         # block tables: append each entry's new blocks after the ones the slot already has
         if plan.new_blocks:

@@ -198,7 +198,7 @@ class StepExecutor:
             self.grammar.remove(slot)
             self.drafts.remove(slot)
         for new in plan.new_slots:
-            self.batch.add(new.slot)
+            self.batch.add(new.slot, drafting=bool(new.draft_method))
             self.sampler.add(new.slot, new.params, new.num_prompt_tokens)
             if new.cached_ids:
                 self.sampler.record_cached(new.slot, new.cached_ids)
