@@ -376,6 +376,8 @@ class EngineCore:
         t0 = time.perf_counter()
         step = self.inflight.popleft()
         self._result_came()
+        if result.num_drafted:
+            self.metrics.spec.step(step.sampled, result)
         out = self.scheduler.update_from_output(step, result)
         done = time.perf_counter()
         apply_s = done - t0

@@ -5,8 +5,10 @@ in flight (depth 2 and 3) and one at a time, with a KV cache small enough to pre
 from __future__ import annotations
 
 import pytest
+from prometheus_client import CollectorRegistry
 
 from gapless.common.messages import SamplingParams
+from gapless.core.metrics import CoreMetrics
 from gapless.gpu_runner.backend import make_backend
 from gapless.gpu_runner.speculate import Drafts, ngram_lookup
 from tests.engine_harness import Harness, make_config
@@ -24,9 +26,9 @@ def _params(i: int, temperature: float) -> SamplingParams:
     return SamplingParams(max_tokens=24 + 5 * i, temperature=temperature, seed=seed, **extra)
 
 
-def _run(model_dir, prediction: dict[str, list[int]] | None = None, **overrides):
+def _run(model_dir, prediction: dict[str, list[int]] | None = None, metrics=None, **overrides):
     cfg = make_config(model_dir, max_num_seqs=4, max_num_batched_tokens=64, **overrides)
-    h = Harness(cfg)
+    h = Harness(cfg, metrics=metrics)
     for temp in (0.0, 0.8):
         for i, prompt in enumerate(PROMPTS):
             rid = f"{temp}-{i}"
@@ -55,8 +57,19 @@ def test_prediction_of_the_output_is_accepted_and_exact(tiny_model_dir, off):
     """The exact output as prediction: every draft accepted, so fewer steps; and a prediction
     with a wrong token in the middle re-aligns and still gives the same output."""
     wrong = {rid: ids[:6] + [7] + ids[7:] for rid, ids in off.items()}
-    h = _run(tiny_model_dir, prediction=off, num_speculative_tokens=4)
+    registry = CollectorRegistry()
+    h = _run(tiny_model_dir, prediction=off, metrics=CoreMetrics(registry=registry),
+             num_speculative_tokens=4)  # fmt: skip
     assert h.outputs == off
+    drafted = registry.get_sample_value("gapless_spec_draft_tokens_total", {"method": "prediction"})
+    accepted = registry.get_sample_value(
+        "gapless_spec_accepted_tokens_total", {"method": "prediction"}
+    )
+    assert drafted and accepted and accepted >= 0.8 * drafted
+    first = registry.get_sample_value("gapless_spec_position_accepted_total", {"position": "0"})
+    assert first and first >= registry.get_sample_value(
+        "gapless_spec_position_accepted_total", {"position": "3"}
+    )
     baseline = _run(tiny_model_dir, speculative="off", num_speculative_tokens=0)
     assert h.steps < baseline.steps * 0.6
     assert _run(tiny_model_dir, prediction=wrong, num_speculative_tokens=4).outputs == off
