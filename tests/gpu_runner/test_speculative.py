@@ -102,3 +102,20 @@ def test_ngram_lookup_and_prediction_realign():
     assert d.propose(0, 2) == []
     d.sampled(0, [13])
     assert d.propose(0, 2) == [14, 15]
+
+
+def test_a_stop_token_inside_an_accepted_run_ends_it_there(tiny_model_dir, off):
+    """The output's 10th token as a stop id: speculation ends the run where off ends it."""
+    ids = off["0.0-0"]
+    stop = ids[9]
+    params = SamplingParams(max_tokens=24, temperature=0.0, stop_token_ids=(stop,))
+    outputs = []
+    for spec in ({"speculative": "off"}, {"num_speculative_tokens": 4}):
+        h = Harness(make_config(tiny_model_dir, **spec))
+        h.add(
+            "a", PROMPTS[0], params, prediction=ids if spec.get("num_speculative_tokens") else None
+        )
+        h.run()
+        outputs.append((h.outputs["a"], h.finish["a"]))
+    assert outputs[0] == outputs[1]
+    assert outputs[0][0][-1] == stop and len(outputs[0][0]) == ids.index(stop) + 1
