@@ -222,6 +222,10 @@ def main(argv: list[str] | None = None) -> None:
         from gapless.bench.connections import main as connections_main
 
         sys.exit(connections_main(argv[1:]))
+    if argv[:1] == ["edit"]:
+        from gapless.bench.edit import main as edit_main
+
+        sys.exit(edit_main(argv[1:]))
     if argv[:1] == ["plot"]:
         args = build_plot_parser().parse_args(argv[1:])
         from gapless.bench.figures import plot_saved

@@ -33,6 +33,11 @@ def request_problem(msg: AddRequest, config: EngineConfig) -> tuple[str, str] | 
     if low < 0 or high >= vocab:
         bad = low if low < 0 else high
         return "token_out_of_vocab", f"the prompt holds {bad}, outside [0, {vocab})"
+    pred = msg.prediction
+    if pred and (min(pred) < 0 or max(pred) >= vocab):
+        return "token_out_of_vocab", f"the prediction holds an id outside [0, {vocab})"
+    if len(pred) > config.model.max_model_len:
+        return "prediction_too_long", f"the prediction has {len(pred)} tokens"
     full_blocks = len(ids) // config.block_size
     if len(msg.block_hashes) > full_blocks:
         return "block_hashes", (

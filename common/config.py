@@ -147,6 +147,23 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             },
         ),
     ] = True
+    speculative: Annotated[
+        Literal["off", "ngram"],
+        msgspec.Meta(
+            description="speculative decoding: ngram drafts each decoding request's next "
+            "tokens from its own prompt and output (prompt lookup) and verifies them in one "
+            "step, output unchanged; a request's `prediction` drafts whatever this says"
+        ),
+    ] = "off"
+    num_speculative_tokens: Annotated[
+        int,
+        msgspec.Meta(
+            description="drafted tokens a decoding request verifies per step (--speculative "
+            "and `prediction`); 0 turns speculation off, `prediction` included",
+            ge=0,
+            le=16,
+        ),
+    ] = 4
     deep_plan_ms: Annotated[
         float,
         msgspec.Meta(

@@ -81,6 +81,8 @@ class AddRequest(_Msg):
     # chained hashes of the prompt's full blocks (common/block_hash.py) for this engine's
     # block size, model and cache_salt, computed by the frontend; empty: the core computes them
     block_hashes: list[bytes] = []
+    # OpenAI's Predicted Outputs: the predicted text's ids, drafts the runner verifies
+    prediction: list[int] = []
 
 
 class Abort(_Msg):
@@ -140,6 +142,10 @@ class NewSlot(_Msg):
     # request has penalties: the sampler must count every token of the sequence
     cached_ids: list[int] = []
     prompt_token_ids: list[int] = []  # only with params.prompt_logprobs: the tokens to score
+    # speculation: "" none, else the drafter ("ngram"; "prediction" drafts from `prediction`);
+    # a drafting slot is also sent its cached_ids, which the n-gram lookup reads
+    draft_method: str = ""
+    prediction: list[int] = []
 
 
 class StepPlan(_Msg):
@@ -160,6 +166,10 @@ class StepPlan(_Msg):
     sample: list[bool]  # [B] sample a token after this entry (prompt done or decoding)
     num_new_blocks: list[int]  # [B] KV blocks appended to the slot's block table this step
     new_blocks: list[int]  # concatenated block ids
+    # [B] drafted tokens each device-fed decode entry may verify after its last token; empty:
+    # none. A count, never ids: the runner owns each slot's drafts and its true length, which
+    # runs ahead of start_pos by the drafts accepted in steps the core has not applied yet
+    num_draft: list[int] = []
 
 
 RunnerInput = StepPlan | Shutdown
@@ -202,7 +212,8 @@ class PromptLogprobs(msgspec.Struct, array_like=True, gc=False):
 
 class StepResult(_Msg):
     seq: int
-    token_ids: list[int]  # one per entry with sample=True, in entry order
+    # one per entry with sample=True, in entry order; with counts, counts[j] for entry j
+    token_ids: list[int]
     # same order as token_ids, None for rows that asked none; empty when no row asked
     logprobs: list[SampleLogprobs | None] = []
     timing: StepTiming | None = None
@@ -210,6 +221,10 @@ class StepResult(_Msg):
     # same order as token_ids: the pooled hidden state of a pooling row (SamplingParams.pooling)
     # as little-endian float32 bytes [hidden], b"" for other rows; empty when no row pools
     embeddings: list[bytes] = []
+    # [B_s] tokens of each sampled entry (its accepted drafts, then the one sampled after
+    # them) and [B_s] drafts it verified; both empty when no entry drafted
+    counts: list[int] = []
+    num_drafted: list[int] = []
 
 
 class RunnerReady(_Msg):

@@ -103,6 +103,8 @@ class Admission:
             num_prompt_tokens=req.num_prompt,
             prompt_token_ids=req.prompt_ids if req.prompt_logprobs is not None else [],
         )
-        if cached and _has_penalty(req.params):
+        if cached and (_has_penalty(req.params) or req.spec_k):
             new.cached_ids = req.known_tokens(0, cached)
+        if req.spec_k:
+            new.draft_method, new.prediction = req.draft_method, req.prediction
         return new

@@ -77,6 +77,10 @@ class Applier:
             _add_prompt_logprobs(step, result)
         rb, rows, out = self.rb, step.rows, StepOutput()
         tokens = np.asarray(result.token_ids, np.int64)
+        run = None  # [R] first token of each row's run, when a row verified drafts
+        if step.drafts is not None:
+            run = _Runs(result, len(rows))
+            tokens = run.first(tokens)
         kept = None  # rows still in their slots, when not all are
         if rb.num_released != step.num_released:  # a slot changed hands: is each row live?
             live = rb.epoch[rows.slots] == rows.epochs  # still the same request in that slot
@@ -86,6 +90,11 @@ class Applier:
         num_out = rb.append(live_rows.slots, t)
         self.policy.charge_output_counts(live_rows.tenant_counts(len(self.policy.output_tokens)))
         reasons, ended = check_stop(live_rows, t, num_out, self.eos)
+        if run is not None:
+            assert step.drafts is not None
+            live_drafts = step.drafts if kept is None else step.drafts[kept]
+            rb.spec_extra[live_rows.slots] -= live_drafts
+            run.extend(self, live_rows, kept, reasons, ended)
         requests = live_rows.requests
         if kept is not None:
             moved = self._apply_moved(rows, np.flatnonzero(~live), tokens)
@@ -106,10 +115,14 @@ class Applier:
         out.requests, out.token_ids, out.end_reasons = requests, t.tolist(), reasons
         if result.logprobs:
             logprobs = result.logprobs
+            if run is not None:
+                logprobs = [logprobs[i] for i in run.firsts.tolist()]
             out.logprobs = list(logprobs) if kept is None else [logprobs[j] for j in kept.tolist()]
         if result.embeddings:
             vecs = result.embeddings
             out.embeddings = list(vecs) if kept is None else [vecs[j] for j in kept.tolist()]
+        if run is not None and run.kept is not None:
+            run.output(out, result, kept)
         if self.scoring:
             out.prompt_logprobs = [r.take_prompt_logprobs() for r in requests]
             self.scoring.difference_update(requests)
@@ -122,6 +135,74 @@ class Applier:
             [j for j in moved.tolist() if self.off_slot(rows.requests[j], int(tokens[j]))],
             np.int64,
         )
+
+
+class _Runs:
+    """A result whose rows verified drafts: row j's tokens are the counts[j] ids from
+    firsts[j], its accepted drafts and then the token sampled after them. The first goes the
+    usual way; the rest are appended one by one, each checked for a stop, so a stop inside a
+    run ends it there. A row that left its slot keeps its first token only (a preempted
+    request recomputes the rest, drawing them again)."""
+
+    def __init__(self, result: StepResult, num_rows: int) -> None:
+        counts = result.counts or [1] * num_rows  # none: no row had a draft to verify
+        assert len(counts) == num_rows, "a verify result names every sampled row's count"
+        self.counts = np.asarray(counts, np.int64)  # [R]
+        self.firsts = np.cumsum(self.counts) - self.counts  # [R] index of each run's first id
+        self.tokens = np.asarray(result.token_ids, np.int64)
+        self.kept: np.ndarray | None = None  # [R'] tokens kept per output row, if any extra
+        drafted = result.num_drafted or [0] * num_rows
+        self.drafted = np.asarray(drafted, np.int64)  # [R] drafts each row verified
+
+    def first(self, tokens: np.ndarray) -> np.ndarray:
+        return tokens[self.firsts]
+
+    def extend(
+        self,
+        applier: Applier,
+        rows: Rows,
+        kept: np.ndarray | None,
+        reasons: list[str],
+        ended: np.ndarray,
+    ) -> None:
+        """Append the live rows' accepted ids after their first; reasons and ended [R'] are
+        updated in place where one ends the run."""
+        counts = self.counts if kept is None else self.counts[kept]
+        firsts = self.firsts if kept is None else self.firsts[kept]
+        # tenants pay for what the device verified: every draft, accepted or not
+        drafted = self.drafted if kept is None else self.drafted[kept]
+        if drafted.any():
+            n = len(applier.policy.output_tokens)
+            charge = np.bincount(rows.tenant_id, drafted, n).astype(np.int64)
+            applier.policy.charge_output_counts(charge)
+        if counts.max(initial=1) <= 1:
+            return
+        num = np.ones(len(rows), np.int64)  # tokens kept per live row
+        for r in range(1, int(counts.max())):
+            go = np.flatnonzero((counts > r) & ~ended)
+            if not len(go):
+                break
+            part = rows.take(go)
+            t = self.tokens[firsts[go] + r]
+            num_out = applier.rb.append_accepted(part.slots, t)
+            num[go] += 1
+            more_reasons, more_ended = check_stop(part, t, num_out, applier.eos)
+            for j in np.flatnonzero(more_ended).tolist():
+                reasons[int(go[j])] = more_reasons[j]
+            ended[go] |= more_ended
+        self.kept = num
+
+    def output(self, out: StepOutput, result: StepResult, kept: np.ndarray | None) -> None:
+        """Each live row's whole run in out (rows that left their slots: the first id)."""
+        assert self.kept is not None
+        firsts = self.firsts if kept is None else self.firsts[kept]  # live rows, then moved
+        counts = self.kept.tolist() + [1] * (len(out.requests) - len(self.kept))
+        index = [f + i for f, c in zip(firsts.tolist(), counts, strict=True) for i in range(c)]
+        out.token_ids = self.tokens[index].tolist()
+        if out.logprobs:
+            lps = result.logprobs
+            out.logprobs = [lps[i] for i in index]
+        out.counts = counts
 
 
 def _add_prompt_logprobs(step: ScheduledStep, result: StepResult) -> None:

@@ -114,6 +114,8 @@ class EngineCore:
             model_salt=config.model.path,
             window=config.model.kv_window,
             kv_events=self.kv_events,
+            speculative=config.speculative,
+            num_speculative_tokens=config.num_speculative_tokens,
         )
         self.inflight: deque[ScheduledStep] = deque()
         self.stall = StallWatch(config.stall_timeout_s)
@@ -374,11 +376,16 @@ class EngineCore:
             return self._fail_step(f"the runner refused step {result.seq}: {result.reason}")
         step, n = inflight[0], len(result.token_ids)
         lps, vecs = result.logprobs, result.embeddings
+        rows = n
+        if result.counts:  # a verify: counts[j] ids for row j, each at least one
+            rows = len(result.counts) if sum(result.counts) == n else -1
+            if min(result.counts) < 1 or step.drafts is None:
+                rows = -1
         if (
-            n == len(step.sampled)
+            rows == len(step.sampled)
             and result.timing is not None
             and (not lps or len(lps) == n)
-            and (not vecs or len(vecs) == n)
+            and (not vecs or len(vecs) == rows)
         ):
             return self._apply(result)
         why = (
@@ -403,6 +410,8 @@ class EngineCore:
         t0 = time.perf_counter()
         step = self.inflight.popleft()
         self._result_came()
+        if result.num_drafted:
+            self.metrics.spec.step(step.sampled, result)
         out = self.scheduler.update_from_output(step, result)
         done = time.perf_counter()
         apply_s = done - t0
@@ -445,7 +454,7 @@ class EngineCore:
             request_ids=[*out.request_ids]
             if out.request_ids is not None
             else [r.request_id for r in out.requests],
-            counts=[1] * n,
+            counts=[1] * n if out.counts is None else out.counts,
             token_ids=out.token_ids,
             finish_reasons=out.end_reasons,
             num_prompt_tokens=[*out.num_prompt_tokens]

@@ -11,6 +11,7 @@ import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from gapless.common.metrics import FINISH_REASONS, REQUEST_BUCKETS, stage_histogram
+from gapless.core.spec_metrics import SpecMetrics
 
 if TYPE_CHECKING:
     from gapless.common.messages import StepTiming
@@ -162,6 +163,7 @@ class CoreMetrics:
             "Times a step's result was owed past the stall bound (--stall-timeout)",
             registry=r,
         )
+        self.spec = SpecMetrics(r)
         self.preemptions = Counter(
             "gapless_preemptions", "Running requests preempted for KV blocks", registry=r
         )

@@ -60,7 +60,8 @@ class Planner:
         nothing but given back blocks that fell out of a sliding window."""
         rb, bs = self.rb, self.blocks.block_size
         if self._steady is not rows:
-            if not rb.decodes_all(rows.slots):
+            # why: a row that drafts feeds 1 + k tokens, and the general plan counts them
+            if not rb.decodes_all(rows.slots) or rows.spec_k.any():
                 return None
             self._capacity = rb.num_blocks[rows.slots] * bs
             self._feed_below = rows.limit - 1
@@ -131,10 +132,14 @@ class Planner:
         self.rb.num_sent[grown] += 1
         return new_blocks
 
-    def plan_running(self) -> tuple[np.ndarray, np.ndarray]:
+    def plan_running(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Tokens each running request feeds this step, preempting the policy's victim while
-        the KV blocks they need are not there. Returns the entries' [E] slots and [E] tokens,
-        oldest first."""
+        the KV blocks they need are not there. Returns the entries' [E] slots, [E] tokens and
+        [E] drafts each may verify after its token, oldest first.
+
+        Counts with drafts in flight: `total` and `computed` count one token per step, the
+        drafts those steps may accept (`spec_extra`) are reserved on top: KV for them, and no
+        step is planned whose drafts could pass the length limit."""
         self._steady = None
         rb, bs = self.rb, self.blocks.block_size
         if self.window is not None and rb.running:
@@ -144,20 +149,30 @@ class Planner:
             rows = rb.rows()
             rs = rows.slots
             total, comp = rb.num_tokens(rs), rb.computed[rs]
+            extra = rb.spec_extra[rs]  # [n] drafts steps in flight may still accept
             need = total - comp
             # a request whose last allowed sample is in flight feeds nothing until it finishes
-            need[(need == 1) & (total >= rows.limit)] = 0
-            before = np.cumsum(need) - need
-            take = np.clip(self.max_num_batched_tokens - before, 0, need)
-            grow = np.maximum(-(-(comp + take) // bs) - rb.num_blocks[rs], 0)
+            need[(need == 1) & (total + extra >= rows.limit)] = 0
+            cost = need
+            drafts = rows.spec_k > 0
+            if drafts.any():  # a decoding row verifies up to k drafts, within the limit
+                drafts &= (need == 1) & (comp >= rb.prefill_end[rs])
+                room = rows.limit - total - extra - 1
+                cost = need + np.where(drafts, np.clip(np.minimum(rows.spec_k, room), 0, None), 0)
+            before = np.cumsum(cost) - cost
+            fits = np.clip(self.max_num_batched_tokens - before, 0, cost)
+            take = np.minimum(fits, need)
+            draft = fits - take
+            ahead = np.where(take > 0, extra + draft, 0)  # how far the runner may write past
+            grow = np.maximum(-(-(comp + take + ahead) // bs) - rb.num_blocks[rs], 0)
             if self.blocks.can_allocate(int(grow.sum())):
                 for j in np.flatnonzero(grow):
                     rows.requests[j].blocks.extend(self.blocks.allocate(int(grow[j])))
                 rb.num_blocks[rs] += grow
                 keep = take > 0
-                return rs[keep], take[keep]
+                return rs[keep], take[keep], draft[keep]
             self.preempt(self.policy.victim(rb.running))
-        return _EMPTY, _EMPTY
+        return _EMPTY, _EMPTY, _EMPTY
 
     def build(
         self,
@@ -167,10 +182,11 @@ class Planner:
         freed: list[int],
         num_cached: int,
         rows: Rows | None = None,
+        draft: np.ndarray | None = None,
     ) -> ScheduledStep:
-        """The general plan of these entries ([E] slots, [E] tokens each), admitted ones
-        last; rows: the running set's view when the entries are its rows in order and all
-        sample."""
+        """The general plan of these entries ([E] slots, [E] tokens each, [E] drafts each may
+        verify), admitted ones last; rows: the running set's view when the entries are its
+        rows in order and all sample."""
         rb = self.rb
         start = rb.computed[slots]
         sample = start + take == rb.num_tokens(slots)
@@ -189,6 +205,10 @@ class Planner:
         rb.pending[sample_slots] += 1
         if rows is None or len(sample_slots) < len(slots):
             rows = rb.gather(sample_slots)
+        drafts = None  # [R] drafts of the sampled rows, when any drafts
+        if draft is not None and draft.any():
+            rb.spec_extra[slots] += draft
+            drafts = draft[sample]
         self.seq += 1
         plan = StepPlan(
             seq=self.seq,
@@ -202,10 +222,12 @@ class Planner:
             sample=sample.tolist(),
             num_new_blocks=new_count.tolist(),
             new_blocks=new_blocks,
+            num_draft=[] if drafts is None else draft.tolist(),
         )
         return ScheduledStep(
             plan=plan,
             rows=rows,
+            drafts=drafts,
             num_prefill_tokens=int(take[has_tokens].sum()),
             num_decode_tokens=int((~has_tokens).sum()),
             num_cached_tokens=num_cached,

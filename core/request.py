@@ -59,6 +59,9 @@ class Request:
         "_outputs",
         "_pending",
         "prompt_logprobs",
+        "draft_method",
+        "prediction",
+        "spec_k",
     )
 
     def __init__(self, msg: AddRequest, batch: RunningBatch, seq: int) -> None:
@@ -93,6 +96,9 @@ class Request:
         self.prompt_logprobs: PromptLogprobs | None = (
             None if msg.params.prompt_logprobs is None else PromptLogprobs(-1, 1, [], [])
         )
+        self.prediction = msg.prediction
+        self.draft_method = ""  # the runner's drafter, "" none (Scheduler.add_request sets it)
+        self.spec_k = 0  # drafted tokens it may verify per step
 
     @property
     def num_prompt(self) -> int:

@@ -27,6 +27,7 @@ FIELDS: dict[str, tuple[type, Callable[[Request], int]]] = {
     "has_stop_ids": (np.bool_, lambda r: bool(r.params.stop_token_ids)),
     "tenant_id": (np.int64, lambda r: r.tenant_id),  # the scheduling policy's tenant index
     "priority": (np.int64, lambda r: r.priority),  # lower runs sooner
+    "spec_k": (np.int64, lambda r: r.spec_k),  # drafted tokens it may verify per step
 }
 
 

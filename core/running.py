@@ -33,6 +33,9 @@ class RunningBatch:
         self.pending = np.zeros(s, np.int64)  # samples in steps not yet applied
         self.computed = np.zeros(s, np.int64)  # tokens whose KV a sent step writes
         self.prefill_end = np.zeros(s, np.int64)  # positions from here on were sampled here
+        # drafts the steps not yet applied may verify: an upper bound on the tokens they add
+        # past `computed` and `pending` (one each), which KV and the length limit reserve
+        self.spec_extra = np.zeros(s, np.int64)
         self.num_blocks = np.zeros(s, np.int64)
         self.num_sent = np.zeros(s, np.int64)  # blocks the runner already knows
         # leading blocks given back, out of a sliding window (core/window.py); the runner's
@@ -96,6 +99,7 @@ class RunningBatch:
         self.pending[slot] = 0
         self.computed[slot] = 0
         self.prefill_end[slot] = req.num_prompt + n
+        self.spec_extra[slot] = 0
         self.num_blocks[slot] = 0
         self.num_sent[slot] = 0
         self.num_freed[slot] = 0
@@ -108,6 +112,16 @@ class RunningBatch:
         n += 1
         self.out_len[slots] = n
         self.pending[slots] -= 1
+        return n
+
+    def append_accepted(self, slots: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        """One more id of a verified run for each slot's request (a draft accepted: its KV,
+        written by the step, now counts as computed). Returns [R] output counts."""
+        n = self.out_len[slots]
+        self.out[slots, n] = tokens
+        n += 1
+        self.out_len[slots] = n
+        self.computed[slots] += 1
         return n
 
     def release(self, slot: int) -> Request:

@@ -52,7 +52,13 @@ class Scheduler:
         # ModelInfo.kv_window: running requests give back the blocks behind it (core/window.py)
         window: int = 0,
         kv_events: KvEventLog | None = None,  # what the cache's changes are logged to
+        # speculation: the drafter of every request ("off": only requests with a prediction
+        # draft) and the drafts a decoding request verifies per step (0: none)
+        speculative: str = "off",
+        num_speculative_tokens: int = 0,
     ) -> None:
+        self.speculative = speculative
+        self.num_speculative_tokens = num_speculative_tokens
         self.blocks = BlockManager(num_blocks, block_size, prefix_caching, kv_events)
         self.slots = SlotManager(max_num_seqs)
         # a sequence never outgrows the cache (fits_ever), whatever context the model declares
@@ -96,6 +102,11 @@ class Scheduler:
         req = Request(msg, self.rb, self._num_added)
         assert req.request_id not in self.requests, f"duplicate request id {req.request_id}"
         req.tenant_id = self.policy.tenant_id(req.tenant)
+        method = "prediction" if msg.prediction else self.speculative
+        # why not a constrained row: its drafts would have to pass the grammar's matcher too;
+        # nor a pooling one: it samples nothing
+        if method != "off" and msg.params.grammar is None and msg.params.pooling is None:
+            req.draft_method, req.spec_k = method, self.num_speculative_tokens
         if msg.block_hashes and self.prefix.takes(req):
             assert len(msg.block_hashes) <= req.num_prompt // self.blocks.block_size
             req.block_hashes = msg.block_hashes
@@ -203,17 +214,18 @@ class Scheduler:
             if step is not None:
                 return step
         planner = self.planner
-        slots, take = planner.plan_running()
+        slots, take, draft = planner.plan_running()
         whole = len(slots) == len(self.running)  # every running request is an entry, in order
-        budget = self.max_num_batched_tokens - int(take.sum())
+        budget = self.max_num_batched_tokens - int(take.sum() + draft.sum())
         new_slots, adm_slots, adm_take = self.admission.admit(budget)
         if new_slots:
             slots, take = np.concatenate([slots, adm_slots]), np.concatenate([take, adm_take])
+            draft = np.concatenate([draft, np.zeros(len(adm_slots), np.int64)])
         freed = self.slots.take_freed()
         if not len(slots) and not freed:
             return None
         rows = self.rb.rows() if whole and not new_slots else None
-        return planner.build(slots, take, new_slots, freed, self.admission.num_cached, rows)
+        return planner.build(slots, take, new_slots, freed, self.admission.num_cached, rows, draft)
 
     def _preempt_for_priority(self) -> None:
         """While the next waiting request outranks a running one and lacks a seat or the KV

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from gapless.common.messages import PromptLogprobs, SampleLogprobs, StepPlan
 from gapless.core.request import Request
 from gapless.core.rows import Rows
@@ -14,6 +16,7 @@ from gapless.core.rows import Rows
 class ScheduledStep:
     plan: StepPlan
     rows: Rows  # the entries that sample, in entry order
+    drafts: np.ndarray | None = None  # [R] drafts each sampled row may verify; None: none
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
     num_cached_tokens: int = 0  # tokens admitted requests found in the prefix cache
@@ -47,3 +50,4 @@ class StepOutput:
     # per request, when every row of the step was still live (else None: read the requests)
     request_ids: list[str] | None = None
     num_prompt_tokens: list[int] | None = None
+    counts: list[int] | None = None  # tokens per request, when a run has more than one

@@ -53,6 +53,10 @@ class StepInputs:
     num_scored: int = 0  # P
     scored_slots_host: np.ndarray | None = None  # [P] int64
     scored_positions_host: np.ndarray | None = None  # [P] int64, of the token scored (row + 1)
+    # a step with drafts: the B_s logit rows are each sampling entry's 1 + d rows in order
+    sample_counts: np.ndarray | None = None  # [E_s] int64 1 + drafts of each sampling entry
+    sample_drafts: list[list[int]] | None = None  # [E_s] each one's drafted ids
+    entry_slots_host: np.ndarray | None = None  # [E_s] int64 slot of each sampling entry
 
 
 class TableStaging(Protocol):
@@ -102,6 +106,11 @@ class PersistentBatch:
         self.device = torch.device(device)
         self.block_table = np.zeros((max_slots, max_blocks_per_seq), dtype=np.int64)
         self.num_blocks = np.zeros(max_slots, dtype=np.int64)
+        # [max_slots] tokens whose KV the slot's steps so far wrote and kept: where a
+        # device-fed entry starts, ahead of the plan's start_pos by the drafts accepted in steps
+        # the core had not applied when it planned (equal without drafts)
+        self.length = np.zeros(max_slots, dtype=np.int64)
+        self.drafting = np.zeros(max_slots, dtype=bool)  # [max_slots] length is followed
         self.active = np.zeros(max_slots, dtype=bool)
         # [max_slots] long, on device: the token each slot sampled last
         self.last_token = torch.zeros(max_slots, dtype=torch.long, device=self.device)
@@ -122,10 +131,12 @@ class PersistentBatch:
         assert not self.active.any(), "block tables resized with slots in use"
         self.block_table = np.zeros((len(self.active), max_blocks_per_seq), dtype=np.int64)
 
-    def add(self, slot: int) -> None:
+    def add(self, slot: int, drafting: bool = False) -> None:
         assert not self.active[slot], f"slot {slot} added twice"
         self.active[slot] = True
         self.num_blocks[slot] = 0
+        self.length[slot] = 0
+        self.drafting[slot] = drafting
 
     def remove(self, slot: int) -> None:
         assert self.active[slot], f"slot {slot} freed while not in use"
@@ -139,17 +150,32 @@ class PersistentBatch:
         self.staging.upload(inp.num_rows)
 
     def prepare(
-        self, plan: StepPlan, pad: bool = True, scored_until: np.ndarray | None = None
+        self,
+        plan: StepPlan,
+        pad: bool = True,
+        scored_until: np.ndarray | None = None,
+        drafts: list[list[int]] | None = None,
     ) -> StepInputs:
         """Fill the host table for one step and describe it; pad a decode-only batch to its
         capture size when `pad`. upload() then moves the rows to the device.
 
         scored_until [max_slots]: a fed row at position p of a slot whose prompt logprobs are
-        asked is scored (its logits kept, for the token at p + 1) while p + 1 < scored_until."""
+        asked is scored (its logits kept, for the token at p + 1) while p + 1 < scored_until.
+        drafts [B]: ids each device-fed entry verifies after its last token (each row's logits
+        are sampled), or None."""
         bs = self.block_size
         slots = np.asarray(plan.slots, dtype=np.int64)  # [B]
         start = np.asarray(plan.start_pos, dtype=np.int64)  # [B]
         assert self.active[slots].all(), "plan schedules a slot that is not in use"
+        d = None  # [B] drafts per entry, when any
+        if drafts is not None:
+            d = np.fromiter(map(len, drafts), np.int64, len(slots))
+            d = d if d.any() else None
+        drafting = self.drafting[slots]
+        if drafting.any():  # their device-fed entries start where the kept tokens end
+            own = drafting & ~np.asarray(plan.has_tokens, dtype=bool)
+            assert (self.length[slots][own] >= start[own]).all(), "a slot behind its plan"
+            start = np.where(own, self.length[slots], start)
 
         # block tables: append each entry's new blocks after the ones the slot already has
         if plan.new_blocks:
@@ -167,13 +193,15 @@ class PersistentBatch:
         b = len(slots)
         # why a branch: steady decode is most steps, and each array op skipped saves time on
         # the hot path (bench/RESULTS.md, "Core and detokenizer")
-        decode = not plan.token_ids and plan.num_tokens.count(1) == b
+        decode = d is None and not plan.token_ids and plan.num_tokens.count(1) == b
         if decode:  # one token per entry, each read from last_token on the device
             t, n = b, None
             ends = self._arange[1 : b + 1]
             positions, tok_slot, fed_rows = start, slots, _EMPTY
         else:
             n = np.asarray(plan.num_tokens, dtype=np.int64)  # [B]
+            if d is not None:
+                n = n + d
             t = int(n.sum())
             ends = np.cumsum(n)
             entry = np.repeat(np.arange(b), n)  # [T]
@@ -183,18 +211,33 @@ class PersistentBatch:
         padded = pad and t == b
         num_rows = padded_size(b) if padded else t
         ctx_len = start + (1 if decode else n)
+        self.length[slots] = ctx_len  # the executor takes back the drafts it rejects
         if all(plan.sample):
             picked = self._arange[:b]
             logit_rows, sample_slots, sample_ctx = ends - 1, slots, ctx_len
         else:
             picked = np.flatnonzero(np.asarray(plan.sample, dtype=bool))
             logit_rows, sample_slots, sample_ctx = ends[picked] - 1, slots[picked], ctx_len[picked]
-        s, f = len(picked), len(fed_rows)
+        verify = None
+        if d is not None:  # every row of a drafting entry is sampled, its last token's first
+            assert drafts is not None
+            cnt = d[picked] + 1  # [E_s]
+            within = np.arange(int(cnt.sum())) - np.repeat(np.cumsum(cnt) - cnt, cnt)
+            logit_rows = np.repeat(ends[picked] - cnt, cnt) + within
+            sample_slots, sample_ctx = np.repeat(slots[picked], cnt), positions[logit_rows] + 1
+            verify = cnt, [drafts[j] for j in picked.tolist()], slots[picked]
+        s, f = len(logit_rows), len(fed_rows)
 
         table = self.staging.host()
         table[:t, IDS] = -1
         if f:
             table[fed_rows, IDS] = plan.token_ids
+        if d is not None:  # drafts follow each entry's device-fed last token
+            assert drafts is not None
+            draft_rows = (
+                np.repeat(ends - d, d) + np.arange(int(d.sum())) - np.repeat(np.cumsum(d) - d, d)
+            )
+            table[draft_rows, IDS] = [i for ids in drafts for i in ids]
         table[:t, TOK_SLOT] = tok_slot
         table[:t, POSITIONS] = positions
         table[:t, SLOT_MAPPING] = self.block_table[tok_slot, positions // bs] * bs + positions % bs
@@ -237,6 +280,9 @@ class PersistentBatch:
             num_scored=p,
             scored_slots_host=tok_slot[scored],
             scored_positions_host=positions[scored] + 1,
+            sample_counts=None if verify is None else verify[0],
+            sample_drafts=None if verify is None else verify[1],
+            entry_slots_host=None if verify is None else verify[2],
         )
 
 

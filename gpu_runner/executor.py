@@ -45,6 +45,8 @@ from gapless.gpu_runner.sampling.grammar import GrammarRows
 from gapless.gpu_runner.sampling.logprobs import SampleOutput, row_logprobs
 from gapless.gpu_runner.sampling.prompt_logprobs import PromptScores
 from gapless.gpu_runner.sampling.sampler import SamplerState
+from gapless.gpu_runner.speculate import Drafts
+from gapless.gpu_runner.verify import verify
 
 _NO_ASKS = np.zeros(0, dtype=np.int64)
 
@@ -72,6 +74,8 @@ class Launched:
 def step_result(seq: int, out: SampleOutput, num_logprobs: np.ndarray) -> StepResult:
     """out holds host tensors; num_logprobs [B_s] is each sampled row's ask (-1: none)."""
     result = StepResult(seq=seq, token_ids=out.token_ids.tolist())
+    if out.counts is not None:
+        result.counts, result.num_drafted = out.counts.tolist(), out.num_drafted.tolist()
     if out.logprobs is not None:
         result.logprobs = row_logprobs(num_logprobs, out.logprobs, out.top_ids, out.top_logprobs)
     return result
@@ -113,6 +117,7 @@ class StepExecutor:
         self.num_logprobs = np.full(slots, -1, dtype=np.int64)  # -1: not asked
         self.prompts = PromptScores(slots, config.max_logprobs)
         self.pooler = Pooler(slots, arch.hidden_size, self.device)
+        self.drafts = Drafts(slots)
         self.last_seq = 0
 
     def make_kv_cache(self, num_blocks: int) -> KVCache:
@@ -144,6 +149,9 @@ class StepExecutor:
         end = self.timeline.mark()
         scored = self.prompts.score(inp, logits[inp.num_sample :])
         pooled = self.pooler.take(inp.sample_slots_host) if pooling else None
+        asks = self.num_logprobs[inp.sample_slots_host]
+        if out.counts is not None:  # a verify: asks per output token
+            asks = np.repeat(self.num_logprobs[inp.entry_slots_host], out.counts)
         return Launched(
             seq=plan.seq,
             received=received,
@@ -153,7 +161,7 @@ class StepExecutor:
             forwarded=forwarded,
             end=end,
             copy=self.results.start(out, end),
-            num_logprobs=self.num_logprobs[inp.sample_slots_host],
+            num_logprobs=asks,
             prompt_logprobs=scored,
             pooled=pooled,
         )
@@ -201,8 +209,9 @@ class StepExecutor:
             self.prompts.remove(slot)
             self.grammar.remove(slot)
             self.pooler.remove(slot)
+            self.drafts.remove(slot)
         for new in plan.new_slots:
-            self.batch.add(new.slot)
+            self.batch.add(new.slot, drafting=bool(new.draft_method))
             self.sampler.add(new.slot, new.params, new.num_prompt_tokens)
             if new.cached_ids:
                 self.sampler.record_cached(new.slot, new.cached_ids)
@@ -211,15 +220,40 @@ class StepExecutor:
             self.num_logprobs[new.slot] = -1 if lp is None else min(lp, self.config.max_logprobs)
             self.prompts.add(new)
             self.pooler.add(new.slot, new.params.pooling, new.num_prompt_tokens)
+            if new.draft_method:
+                self.drafts.add(new.slot, new.draft_method, new.prediction, new.cached_ids)
 
     def prepare(self, plan: StepPlan, pooling: bool = False) -> tuple[StepInputs, AttentionMeta]:
         """Host work: the static table (not yet uploaded) and the attention plan. A step with
         a pooling slot runs unpadded (its rows are the plan's tokens, in order)."""
         self.grammar.feed_plan(plan)
-        pad = self.use_graphs and not pooling
-        inp = self.batch.prepare(plan, pad=pad, scored_until=self.prompts.asked())
+        drafts = None
+        if self.drafts.active.any():
+            drafts = self._draft(plan)
+        inp = self.batch.prepare(
+            plan,
+            pad=self.use_graphs and not pooling,
+            scored_until=self.prompts.asked(),
+            drafts=drafts,
+        )
         meta = self.attn.build(inp.layout, self.batch.column(SLOT_MAPPING, inp.num_rows))
         return inp, meta
+
+    def _draft(self, plan: StepPlan) -> list[list[int]] | None:
+        """Note the ids the plan feeds to drafting slots; the drafts of each entry the plan
+        lets verify some ([B]), or None."""
+        drafts, at = self.drafts, 0
+        for slot, n, has in zip(plan.slots, plan.num_tokens, plan.has_tokens, strict=True):
+            if has:
+                if drafts.active[slot]:
+                    drafts.fed(slot, plan.token_ids[at : at + n])
+                at += n
+        if not plan.num_draft:
+            return None
+        return [
+            drafts.propose(slot, k) if k else []
+            for slot, k in zip(plan.slots, plan.num_draft, strict=True)
+        ]
 
     def forward(
         self,
@@ -276,6 +310,8 @@ class StepExecutor:
         slots = col(SAMPLE_SLOTS, inp.num_sample)
         positions = col(SAMPLE_POSITIONS, inp.num_sample)
         host = inp.sample_slots_host
+        if inp.sample_counts is not None:
+            return verify(self, inp, logits, slots, positions)
         constrain = None
         if self.grammar.any_in(host):
             constrain = lambda x, inplace: self.grammar.apply(x, host, inplace)  # noqa: E731
@@ -284,6 +320,10 @@ class StepExecutor:
         if not out.plain:  # plain: no penalty, bad word or grammar keeps count of outputs
             self.sampler.record(slots, positions, out.token_ids, host)
             self.grammar.remember(host, out.token_ids)
+        if self.drafts.any_in(host):  # why the host copy: the drafts of the next step read it
+            for slot, token in zip(host.tolist(), out.token_ids.tolist(), strict=True):
+                if self.drafts.active[slot]:
+                    self.drafts.sampled(slot, [token])
         return out
 
     @torch.inference_mode()

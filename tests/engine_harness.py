@@ -69,7 +69,13 @@ class Harness:
         return self.core.scheduler
 
     def add(
-        self, rid: str, prompt: list[int], params: SamplingParams, tenant="", priority=0
+        self,
+        rid: str,
+        prompt: list[int],
+        params: SamplingParams,
+        tenant="",
+        priority=0,
+        prediction: list[int] | None = None,
     ) -> None:
         self.outputs[rid] = []
         self.token_steps[rid] = []
@@ -84,6 +90,7 @@ class Harness:
                 arrival_time=time.time(),
                 tenant=tenant,
                 priority=priority,
+                prediction=prediction or [],
             )
         )
 

@@ -189,9 +189,11 @@ async def handle_chat(
             continue_final_message=body.continue_final_message,
             kwargs=body.chat_template_kwargs,
         )
+        prediction = await prompter.prediction_ids(body.prediction)
         params = pre.params(prompt_ids, "messages")
-        pre.admit_tokens(ticket, [prompt_ids])
+        pre.admit_tokens(ticket, [prompt_ids, prediction])
         job = pre.job(ticket, [prompt_ids], [params])
+        job.prediction = prediction
         fmt = ChatChunks(
             pre.response_id, pre.created, pre.model, logprobs is not None, parser, pre.n
         )

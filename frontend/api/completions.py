@@ -139,9 +139,11 @@ async def handle_completions(
 
     with pre.admit(len(body.prompt) if _is_batch(body.prompt) else 1) as ticket:
         prompts = await state.prompter.completion_prompts(body.prompt)
+        prediction = await state.prompter.prediction_ids(body.prediction)
         params = [pre.params(prompt_ids, "prompt") for prompt_ids in prompts]
-        pre.admit_tokens(ticket, prompts)
+        pre.admit_tokens(ticket, [*prompts, prediction])
         job = pre.job(ticket, prompts, params)
+        job.prediction = prediction
         if body.echo:
             echoed, first_tokens = _echoed(body.prompt, prompts, pre.n, state)
         fmt = CompletionChunks(

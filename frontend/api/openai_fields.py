@@ -64,7 +64,6 @@ def _suffix(value: Any, body: dict[str, Any]) -> str | None:
 CHAT_REFUSED: dict[str, Rule] = {
     "audio": _set("audio output is not supported"),
     "modalities": _modalities,
-    "prediction": _set("predicted outputs are not supported"),
     "functions": _set("the legacy `functions` field is not supported; use `tools`"),
     "function_call": _set("the legacy `function_call` field is not supported; use `tool_choice`"),
     "moderation": _set("moderation is not supported"),

@@ -23,6 +23,7 @@ import tokenizers
 
 from gapless.common.config import EngineConfig
 from gapless.frontend.api.chat_template import ChatTemplate
+from gapless.frontend.api.protocol import Prediction
 from gapless.frontend.api.structured import Grammars
 from gapless.frontend.http import metrics
 from gapless.frontend.http.errors import bad_request
@@ -133,6 +134,26 @@ class Prompter:
                 if ids:
                     out[ids] = None
         return tuple(out)
+
+    async def prediction_ids(self, prediction: Prediction | None) -> list[int]:
+        """A `prediction`'s ids (text or text parts): at most the context length."""
+        if prediction is None:
+            return []
+        content = prediction.content
+        text = content if isinstance(content, str) else "".join(p.text for p in content)
+        if not text:
+            return []
+        self._check_length(text, "prediction")
+        ids = await self._encode(text, None, "prediction")
+        limit = self.config.model.max_model_len
+        if len(ids) > limit:
+            raise bad_request(
+                f"prediction is {len(ids)} tokens; it may be at most the context length of "
+                f"{limit} tokens",
+                param="prediction",
+                code="context_length_exceeded",
+            )
+        return ids
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)

@@ -17,6 +17,18 @@ class StreamOptions(msgspec.Struct):
     include_usage: bool = False
 
 
+class PredictionPart(msgspec.Struct):
+    type: Literal["text"]
+    text: str
+
+
+class Prediction(msgspec.Struct):
+    """OpenAI's Predicted Outputs: text much of the answer is expected to repeat."""
+
+    type: Literal["content"]
+    content: str | list[PredictionPart]
+
+
 class SamplingFields(msgspec.Struct, kw_only=True):
     """Fields both generation endpoints share (OpenAI names, then engine extras)."""
 
@@ -49,6 +61,9 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     priority: int | str | None = None
     # prefix-cache blocks are shared only between requests with the same salt (and none)
     cache_salt: str | None = None
+    # drafts to verify (speculative decoding): the output is unchanged, only faster where it
+    # repeats them; on completions an extension
+    prediction: Prediction | None = None
 
 
 class CompletionRequest(SamplingFields, kw_only=True):

@@ -18,6 +18,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from difflib import SequenceMatcher
 from typing import Protocol
 
 from gapless.common.messages import AddRequest, SamplingParams, TextDelta
@@ -52,6 +53,7 @@ class Job:
     num_prompt_tokens: int = 0  # usage: each prompt counted once, however many choices
     # one per choice: its prompt's prefix-cache block names (prelude.prompt_block_hashes)
     block_hashes: list[list[bytes]] = field(default_factory=list)
+    prediction: list[int] = field(default_factory=list)  # `prediction`'s ids, every choice's
 
     def __post_init__(self) -> None:
         assert len(self.prompt_ids) == len(self.params), "one prompt per choice"
@@ -88,6 +90,7 @@ class RequestStream:
         "job",
         "ids",
         "outputs",
+        "output_ids",
         "cached",
         "last",
         "opened",
@@ -117,6 +120,8 @@ class RequestStream:
         self.ids = [f"{job.request_id}-{i}" for i in range(n)]
         # per choice
         self.outputs = [0] * n  # output tokens so far
+        # with a prediction: each choice's output ids, for the usage's prediction counts
+        self.output_ids: list[list[int]] | None = [[] for _ in range(n)] if job.prediction else None
         self.cached = [0] * n  # prompt tokens the prefix cache held, from its last delta
         self.last = [0.0] * n  # perf_counter of its previous delta with tokens
         self.opened = [False] * n  # the handler began it: its opening chunk went (`write`)
@@ -190,6 +195,7 @@ class RequestStream:
                 label=job.label,
                 cache_salt=job.cache_salt,
                 block_hashes=hashes,
+                prediction=job.prediction,
             )
             for rid, prompt, params, hashes in zip(
                 self.ids, job.prompt_ids, job.params, job.block_hashes, strict=True
@@ -240,6 +246,8 @@ class RequestStream:
                 raise error
             self.cached[index] = delta.num_cached_tokens
         self.outputs[index] = delta.num_output_tokens
+        if self.output_ids is not None:
+            self.output_ids[index] += delta.token_ids
         self.reason = delta.finish_reason or self.reason
         return index
 
@@ -269,6 +277,8 @@ class RequestStream:
             return False
         # written: nothing below may raise, or the handler would write it again (Inbox.flush)
         self.outputs[index] = delta.num_output_tokens
+        if self.output_ids is not None:
+            self.output_ids[index] += delta.token_ids
         now = time.perf_counter()
         previous = self.last[index]
         if delta.token_ids:
@@ -330,7 +340,21 @@ class RequestStream:
             completion,
             prompt_tokens + completion,
             prompt_tokens_details=PromptTokensDetails(cached),
-            completion_tokens_details=CompletionTokensDetails(),
+            completion_tokens_details=self._completion_details(),
+        )
+
+    def _completion_details(self) -> CompletionTokensDetails:
+        """With a prediction, per choice: its tokens found in the output, in order (accepted)
+        and the rest (rejected), summed over the choices."""
+        if self.output_ids is None:
+            return CompletionTokensDetails()
+        pred, accepted = self.job.prediction, 0
+        for ids in self.output_ids:
+            blocks = SequenceMatcher(None, pred, ids, autojunk=False).get_matching_blocks()
+            accepted += sum(b.size for b in blocks)
+        rejected = len(pred) * len(self.output_ids) - accepted
+        return CompletionTokensDetails(
+            accepted_prediction_tokens=accepted, rejected_prediction_tokens=rejected
         )
 
     def tokens_waiting(self) -> int:

@@ -18,6 +18,9 @@ class SampleOutput:
     top_ids: torch.Tensor  # [B, K] int64, K = max requested top logprobs in the batch (may be 0)
     top_logprobs: torch.Tensor  # [B, K] float32, sorted descending per row
     plain: bool = False  # the batch's flags were plain: nothing for record() to count
+    # a verify (gpu_runner/verify.py): token_ids are each entry's run, counts[j] long
+    counts: np.ndarray | None = None  # [E_s] int64 accepted drafts + 1 per sampling entry
+    num_drafted: np.ndarray | None = None  # [E_s] int64 drafts each entry verified
 
 
 def row_logprobs(asks: np.ndarray, logprobs, top_ids, top_logprobs) -> list[SampleLogprobs | None]:

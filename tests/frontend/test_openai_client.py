@@ -130,3 +130,34 @@ def test_tcp_disconnect_aborts_within_a_second(base_url: str, engine: FakeEngine
             time.sleep(0.01)
     finally:
         engine.delay_s = 0.0
+
+
+def test_prediction_on_chat_and_completions(client: openai.OpenAI, engine: FakeEngine) -> None:
+    """`prediction` reaches the engine as ids; usage counts the predicted ids found in the
+    output (accepted) and the rest (rejected); completions take it through extra_body, with
+    text parts."""
+    messages = [{"role": "user", "content": "red green"}]
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=2,
+        prediction={"type": "content", "content": "red green blue"},
+    )
+    predicted = engine.added[-1].prediction
+    assert predicted
+    details = r.usage.completion_tokens_details
+    assert details.accepted_prediction_tokens + details.rejected_prediction_tokens == len(predicted)
+    assert r.usage.completion_tokens == 2  # output tokens only
+
+    pred = {
+        "type": "content",
+        "content": [{"type": "text", "text": "one "}, {"type": "text", "text": "two"}],
+    }
+    r = client.completions.create(
+        model=MODEL, prompt="one two three", max_tokens=2, n=2, extra_body={"prediction": pred}
+    )
+    predicted = engine.added[-1].prediction
+    assert predicted and engine.added[-2].prediction == predicted  # each choice drafts alone
+    details = r.usage.completion_tokens_details
+    total = details.accepted_prediction_tokens + details.rejected_prediction_tokens
+    assert total == 2 * len(predicted)

@@ -105,7 +105,7 @@ CHAT_CASES: list[tuple[Any, int, str | None]] = [
     ({"messages": USER, "model": "nope"}, 404, "model"),
     ({"messages": USER, "audio": {"voice": "alloy", "format": "wav"}}, 400, "audio"),
     ({"messages": USER, "modalities": ["text", "audio"]}, 400, "modalities"),
-    ({"messages": USER, "prediction": {"type": "content", "content": "x"}}, 400, "prediction"),
+    ({"messages": USER, "prediction": {"type": "image", "content": "x"}}, 400, "prediction.type"),
     ({"messages": USER, "functions": [{"name": "f"}]}, 400, "functions"),
     ({"messages": USER, "function_call": "auto"}, 400, "function_call"),
     ({"messages": USER, "reasoning_effort": "high"}, 400, "reasoning_effort"),

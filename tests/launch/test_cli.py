@@ -41,6 +41,8 @@ FLAGS = {
     "--kv-cache-memory": "512MiB on cpu; on cuda, what --gpu-memory-utilization leaves",
     "--gpu-memory-utilization": "0.9",
     "--no-overlap": "overlap on",
+    "--speculative": "off",
+    "--num-speculative-tokens": "4",
     "--deep-plan-ms": "4.0",
     "--no-prefix-caching": "prefix caching on",
     "--shared-prefix-cache": "off",
