@@ -119,7 +119,10 @@ def arch_from_gguf(meta: GGUFMeta, vocab_size: int) -> ModelArch:
     fam = for_gguf(meta.arch, bool(meta.metadata.get(f"{meta.arch}.expert_count")), meta.path)
     with naming(meta.path, lambda field: gguf_key(field, meta.arch)):
         fields = gguf_shapes(meta, vocab_size)
-        _bound_layers(fields, layers_in(meta.tensors, "blk."), "its tensors")
+        # a file of no tensors (a tokenizer's header) holds no layers to bound the count by;
+        # loading weights from it fails on the names (model_check.py)
+        held = layers_in(meta.tensors, "blk.") if meta.tensors else None
+        _bound_layers(fields, held, "its tensors")
         fields.update(gguf_experts(meta))
         fields.update(fam.gguf_options(meta))
         renormalize = meta.metadata.get(f"{meta.arch}.expert_weights_norm")

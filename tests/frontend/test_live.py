@@ -4,8 +4,6 @@ only once the engine is dead."""
 
 from __future__ import annotations
 
-import time
-
 import httpx
 import pytest
 
@@ -16,12 +14,12 @@ pytestmark = pytest.mark.anyio
 
 
 async def test_live_stays_200_while_loading_and_draining(
-    app: App, client: httpx.AsyncClient, engine: FakeEngine
+    app: App, client: httpx.AsyncClient, engine: FakeEngine, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    engine._heartbeats = [time.monotonic() - 100.0] * len(engine._heartbeats)  # loading
+    monkeypatch.setattr(engine, "core_silent_s", lambda: 100.0)  # loading: no core heard yet
     assert (await client.get("/health")).status_code == 503
     assert (await client.get("/live")).json()["status"] == "alive"
-    engine._heartbeats = [time.monotonic()] * len(engine._heartbeats)  # loaded
+    monkeypatch.setattr(engine, "core_silent_s", lambda: 0.0)  # loaded
     app.state.admission.draining = True
     assert (await client.get("/health")).json()["status"] == "draining"
     assert (await client.get("/live")).status_code == 200
