@@ -22,6 +22,7 @@ from statistics import median
 import httpx
 import zmq
 
+from gapless.bench.cli import split_serve_args
 from gapless.bench.launch import free_port, launched_server
 
 
@@ -111,11 +112,7 @@ def one_run(args: argparse.Namespace, serve_args: list[str], stalled: bool) -> d
 
 
 def main(argv: list[str]) -> int:
-    if "--" in argv:
-        i = argv.index("--")
-        argv, serve_args = argv[:i], argv[i + 1 :]
-    else:
-        serve_args = ["--device", "sim"]
+    argv, serve_args = split_serve_args(argv) if "--" in argv else (argv, ["--device", "sim"])
     p = argparse.ArgumentParser(prog="bench kv-stall", description=__doc__.split("\n\n")[0])
     p.add_argument("--streams", type=int, default=256)
     p.add_argument("--seconds", type=float, default=10.0)

@@ -31,6 +31,7 @@ import httpx
 import msgspec
 import zmq
 
+from gapless.bench.cli import split_serve_args
 from gapless.bench.launch import free_port, launched_server
 
 ROOT_KEY = b"router-root"
@@ -212,11 +213,7 @@ def run_policy(policy: str, args: argparse.Namespace, serve_args: list[str]) -> 
 
 
 def main(argv: list[str]) -> int:
-    if "--" in argv:
-        i = argv.index("--")
-        argv, serve_args = argv[:i], argv[i + 1 :]
-    else:
-        serve_args = ["--device", "sim"]
+    argv, serve_args = split_serve_args(argv) if "--" in argv else (argv, ["--device", "sim"])
     p = argparse.ArgumentParser(prog="bench route", description=__doc__.split("\n\n")[0])
     p.add_argument("--groups", type=int, default=12, help="distinct shared prefixes")
     p.add_argument("--prefix", type=int, default=512, help="tokens of each shared prefix")

@@ -39,6 +39,18 @@ def tp_server(tiny_model_dir) -> Iterator[Server]:
     s.stop()
 
 
+def _started(stream, streams: list[list[str]], events: int) -> list[threading.Thread]:
+    """A thread of stream(events) for each list of streams, once each holds `events` lines."""
+    threads = [threading.Thread(target=stream, args=(got,)) for got in streams]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while not all(len(got) >= events for got in streams):
+        assert time.monotonic() < deadline, "the streams did not start"
+        time.sleep(0.01)
+    return threads
+
+
 def test_a_tp2_server_answers_the_openai_client(tp_server):
     import openai
 
@@ -74,13 +86,7 @@ def test_a_stopped_rank_is_a_stall_until_it_goes_on(tp_server):
         with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=60) as r:
             events.extend(line for line in r.iter_lines() if line)
 
-    threads = [threading.Thread(target=stream, args=(events,)) for events in streams]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + 60
-    while not all(len(events) >= 2 for events in streams):
-        assert time.monotonic() < deadline, "the streams did not start"
-        time.sleep(0.01)
+    threads = _started(stream, streams, 2)
     os.kill(rank1, signal.SIGSTOP)
     try:
         stopped_at = time.monotonic()
@@ -116,13 +122,7 @@ def test_a_killed_rank_ends_every_stream_and_the_engine(tp_server):
             events.append(f"transport error: {e}")
         ended.append(time.monotonic())
 
-    threads = [threading.Thread(target=stream, args=(events,)) for events in streams]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + 60
-    while not all(len(events) >= 3 for events in streams):
-        assert time.monotonic() < deadline, "the streams did not start"
-        time.sleep(0.01)
+    threads = _started(stream, streams, 3)
     os.kill(children["gapless-runner1"], signal.SIGKILL)
     killed_at = time.monotonic()
     for t in threads:
