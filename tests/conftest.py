@@ -126,3 +126,13 @@ def pytest_collection_modifyitems(config, items) -> None:
     the short ones fill in at the end, instead of one worker finishing a long test alone."""
     slow_modules = {item.module for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.module not in slow_modules)
+    # a module marked randomly_dont_reorganize gets its file order back in its own places
+    # (pytest-randomly shuffled it before this hook ran)
+    kept: dict[object, list[int]] = {}
+    for i, item in enumerate(items):
+        if item.get_closest_marker("randomly_dont_reorganize"):
+            kept.setdefault(item.module, []).append(i)
+    for places in kept.values():
+        in_order = sorted((items[i] for i in places), key=lambda item: item.location[1])
+        for i, item in zip(places, in_order, strict=True):
+            items[i] = item

@@ -22,7 +22,8 @@ from tests.family_models import build
 from tests.gpu_runner.test_tensor_parallel import GREEDY, Recorder, _prompts
 from tests.server import ROOT, Server, count_server_start, free_port
 
-pytestmark = pytest.mark.slow
+# in file order: the TP server is shared, and the killed-rank test ends it, so it runs last
+pytestmark = [pytest.mark.slow, pytest.mark.randomly_dont_reorganize]
 
 # ------------------------------------------------------------------ a TP=2 server
 

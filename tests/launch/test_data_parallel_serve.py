@@ -16,7 +16,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.server import Server
 
-pytestmark = pytest.mark.slow
+# in file order: the dp server is shared, and its last test kills it
+pytestmark = [pytest.mark.slow, pytest.mark.randomly_dont_reorganize]
 
 
 def _series(url: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
