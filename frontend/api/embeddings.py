@@ -27,16 +27,15 @@ import numpy as np
 from gapless.common.config import EngineConfig
 from gapless.common.messages import SamplingParams
 from gapless.frontend.api.embedding_setup import EmbeddingSetup, embedding_setup
-from gapless.frontend.api.generation import cut_error, failure
+from gapless.frontend.api.generation import engine_errors, failure
 from gapless.frontend.api.openai_fields import check_fields, struct_fields
 from gapless.frontend.api.params import check_model
 from gapless.frontend.api.state import FrontendState
 from gapless.frontend.api.stream import Job, RequestStream
-from gapless.frontend.engine.client import EngineDeadError, StreamCut
 from gapless.frontend.engine.tenants import Caller, priority_of, tenant_of
 from gapless.frontend.http import metrics
-from gapless.frontend.http.asgi import ClientGone, HttpRequest, Responder, unless_disconnected
-from gapless.frontend.http.errors import ApiError, bad_request, decode_body, engine_unavailable
+from gapless.frontend.http.asgi import HttpRequest, Responder, unless_disconnected
+from gapless.frontend.http.errors import ApiError, bad_request, decode_body
 
 EMBEDDINGS_PATH = "/v1/embeddings"
 MAX_INPUTS = 2048  # as OpenAI's API
@@ -268,12 +267,5 @@ async def handle_embeddings(
 async def _run(state: FrontendState, job: Job, req: HttpRequest) -> list[bytes]:
     """The engine's vectors; a client that disconnects first aborts the engine requests."""
     stream = RequestStream(state.engine, job, partial(failure, admission=state.admission))
-    try:
+    with engine_errors(job):
         return await unless_disconnected(req.receive, collect_vectors(stream))
-    except StreamCut as cut:
-        raise cut_error(cut) from None
-    except EngineDeadError as exc:
-        raise engine_unavailable(str(exc)) from None
-    except ClientGone:
-        metrics.observer.aborted(job.endpoint)
-        raise

@@ -6,8 +6,8 @@ Both endpoints share this; they differ only in how a choice or a chunk is shaped
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
-from contextlib import aclosing
+from collections.abc import Callable, Iterator
+from contextlib import aclosing, contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -153,15 +153,16 @@ async def respond(
     with an error event."""
     stream = RequestStream(state.engine, job, partial(failure, admission=state.admission))
     try:
-        if streaming:
-            keepalive_s = state.config.sse_keepalive_s
-            await unless_disconnected(
-                req.receive,
-                sse(stream, out, fmt, include_usage, keepalive_s),
-                _watch(state, stream, req, out),
-            )
-            return
-        choices = await unless_disconnected(req.receive, collect(stream))
+        with engine_errors(job):
+            if streaming:
+                keepalive_s = state.config.sse_keepalive_s
+                await unless_disconnected(
+                    req.receive,
+                    sse(stream, out, fmt, include_usage, keepalive_s),
+                    _watch(state, stream, req, out),
+                )
+                return
+            choices = await unless_disconnected(req.receive, collect(stream))
     except SlowReader as slow:
         # the engine requests were aborted as the stream's work ended
         log.warning("request %s aborted, its client is not reading: %s", job.request_id, slow)
@@ -169,6 +170,15 @@ async def respond(
         job.stats.finish_reason = "abort"
         out.end_now(slow.error())
         raise ClientGone from None
+    await out.json(200, build(choices, stream.usage()))
+
+
+@contextmanager
+def engine_errors(job: Job) -> Iterator[None]:
+    """How a request's engine work ends for its client: a cut stream as its error, a dead
+    engine as 503, a client that left counted as an abort (and passed on)."""
+    try:
+        yield
     except StreamCut as cut:
         raise cut_error(cut) from None
     except EngineDeadError as exc:
@@ -176,4 +186,3 @@ async def respond(
     except ClientGone:
         metrics.observer.aborted(job.endpoint)
         raise
-    await out.json(200, build(choices, stream.usage()))
