@@ -84,7 +84,7 @@ class _Server(uvicorn.Server):
             log.warning(
                 "drain timeout: ended %d request(s) still in flight: %s",
                 len(names),
-                listed(names),
+                listed(sorted(names)),
             )
 
     def supervisor_gone(self) -> None:

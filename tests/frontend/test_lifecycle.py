@@ -164,7 +164,8 @@ async def test_a_drain_cut_ends_streams_with_abort_and_logs_their_ids(
     assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "drain_timeout"
     assert events[-3]["choices"][0]["finish_reason"] == "abort"
     access = [r.fields for r in caplog.records if r.name == "gapless.access"]
-    assert [(a["request_id"], a["finish_reason"]) for a in access] == [
+    # the two streams end in whichever order the loop runs them
+    assert sorted((a["request_id"], a["finish_reason"]) for a in access) == [
         ("drained-1", "abort"),
         ("drained-2", "abort"),
     ]
