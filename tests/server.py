@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -37,10 +38,29 @@ def servers_started(folder: Path) -> int:
     return sum(len(path.read_text().splitlines()) for path in folder.glob("*.count"))
 
 
+# Ports a test hands to a server lie below the kernel's ephemeral range (32768 and up on Linux),
+# so that no port-0 bind or outgoing connection anywhere on the machine takes one between the
+# test picking it and the server binding it; each pytest-xdist worker draws from its own slice.
+PORTS_FROM, PORTS_TO = 12000, 32000
+_ports = random.Random()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port no one listens on now, below the ephemeral range, from this worker's slice."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    index = int(worker) if worker.isdigit() else 0
+    width = (PORTS_TO - PORTS_FROM) // max(workers, 1)
+    low = PORTS_FROM + index * width
+    for _ in range(200):
+        port = _ports.randrange(low, low + width)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {low}-{low + width}")
 
 
 class Server:

@@ -5,7 +5,6 @@ while one runs away."""
 from __future__ import annotations
 
 import signal
-import statistics
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -15,6 +14,7 @@ import httpx
 import psutil
 import pytest
 
+from gapless.frontend.grammar.pool import PREEMPT_AFTER_S
 from tests.frontend.hostile_schemas import runaway_schema, wait_gone
 from tests.server import Server
 from tests.timing import late_limit_s
@@ -94,14 +94,19 @@ def test_runaway_schemas_against_a_server(default_gguf: Path) -> None:
             codes = [f.result() for f in attack]
         assert all(code in (400, 429) for code in codes), codes
         assert [c for c, _ in chats] == [200] * 20
-        before = statistics.median(t for _, t in base)
+        # a chat never waits on a runaway compile: each is answered well before the pool
+        # preempts one (how fast the machine is lies in `gapless bench`, not here)
         slowest = max(t for _, t in chats)
-        assert slowest < max(1.0, 10 * before), (before, slowest)
+        assert slowest < late_limit_s(PREEMPT_AFTER_S), ([t for _, t in base], slowest)
 
-        time.sleep(4.0)  # the last compile's worker is replaced
-        procs = [frontend, *_workers(frontend)]
+        # back at rest: the last compile's worker replaced, nothing spinning
+        deadline = time.monotonic() + 30
+        while True:
+            procs = [frontend, *_workers(frontend)]
+            cpu, rss1 = _at_rest(procs)
+            if (len(procs) == 3 and cpu < 0.3) or time.monotonic() > deadline:
+                break
         assert len(procs) == 3, procs
-        cpu, rss1 = _at_rest(procs)
         assert cpu < 0.3, cpu
         assert rss1 - rss0 < 300, (rss0, rss1)
 

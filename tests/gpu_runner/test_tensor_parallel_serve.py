@@ -191,12 +191,11 @@ def test_a_host_that_never_joins_ends_the_engine(tiny_model_dir):
     args = ["serve", "--tp", "2", "--nnodes", "2", "--node-rank", "0", "--master-port",
             str(free_port()), "--dist-timeout", "3", "--model", str(tiny_model_dir), "--dtype",
             "float32", "--threads", "1", "--no-compile", "--port", str(free_port())]  # fmt: skip
-    started = time.monotonic()
     count_server_start()
+    # a hang fails at the timeout; --dist-timeout sets when the ranks give up
     out = subprocess.run([sys.executable, "-m", "gapless.launch.cli", *args], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)  # fmt: skip
     assert out.returncode == 1, out.stdout + out.stderr
     assert "engine failed: gpu_runner" in out.stderr and "Timed out" in out.stderr, out.stderr[
         -3000:
     ]
-    assert time.monotonic() - started < 60
