@@ -11,6 +11,7 @@ import pytest
 from gapless.common.config import EngineConfig
 from gapless.common.messages import NewSlot, SamplingParams, StepPlan
 from gapless.common.model_files import load_tokenizer
+from gapless.gpu_runner.sim import backend as sim_backend
 from gapless.gpu_runner.sim.backend import SimBackend
 from gapless.gpu_runner.sim.profiles import (
     GIB,
@@ -169,7 +170,23 @@ def new_slot(slot: int, logprobs: int | None = None) -> NewSlot:
     return NewSlot(slot=slot, params=params, num_prompt_tokens=20)
 
 
-def test_launches_queue_on_the_device_and_start_at_once_after_idle(config):
+class FrozenClock:
+    """The sim backend's clock, moved only by its own sleeps and by the test: what queues on the
+    device then does not depend on how fast this machine plans."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def test_launches_queue_on_the_device_and_start_at_once_after_idle(config, monkeypatch):
+    clock = FrozenClock()
+    monkeypatch.setattr(sim_backend, "time", clock)
     sim = SimBackend(config)
     p = Planner(config.block_size)
     first = sim.launch(p.plan([(0, 20, 0, True), (1, 20, 0, True)], [new_slot(0), new_slot(1)]))
@@ -182,7 +199,7 @@ def test_launches_queue_on_the_device_and_start_at_once_after_idle(config):
     assert r1.seq == 1 and r2.seq == 2 and len(r1.token_ids) == len(r2.token_ids) == 2
     assert r2.timing.published >= r2.timing.device_end >= r2.timing.device_start
     assert r2.timing.forward_s == pytest.approx(decode_time(config.sim_profile, 2, 21), rel=1e-6)
-    time.sleep(0.002)
+    clock.sleep(0.002)
     third = sim.launch(p.plan([(0, 1, 21, False)], freed=[1]))
     assert third.device_start == third.launched, "an idle device starts at launch"
     assert len(sim.collect(third).token_ids) == 1
