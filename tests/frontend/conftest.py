@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import asyncio
 import json
 import socket
 import threading
@@ -15,6 +14,7 @@ import msgspec
 import pytest
 import tokenizers
 import uvicorn
+import uvloop
 from prometheus_client import CollectorRegistry
 
 from gapless.common.config import EngineConfig, ModelInfo
@@ -130,7 +130,10 @@ def served(config: EngineConfig, engine: FakeEngine, send_buffer: int = 0) -> It
             log_level="critical",
         )
     )
-    thread = threading.Thread(target=lambda: asyncio.run(server.serve(sockets=[sock])))
+    # uvloop, as the frontend serves (frontend/server.py); asyncio's own loop would leave Nagle
+    # on for this socket's connections (it sets TCP_NODELAY only where the socket names
+    # IPPROTO_TCP), and each request would wait ~40 ms for a delayed ACK
+    thread = threading.Thread(target=lambda: uvloop.run(server.serve(sockets=[sock])))
     thread.start()
     try:
         while not server.started:
