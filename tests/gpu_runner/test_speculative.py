@@ -1,5 +1,5 @@
 """Speculative decoding on the cpu device, in process: the tokens equal speculation off's,
-greedy and at seeded temperature 0.8, with n-gram drafts and with a `prediction`, with steps
+greedy and at seeded temperature 0.8, with n-gram and suffix drafts and with a `prediction`, with steps
 in flight (depth 2 and 3), with a KV cache small enough to preempt, and a stop inside a run."""
 
 from __future__ import annotations
@@ -52,6 +52,12 @@ def off(off_run):
 def test_ngram_output_equals_off(tiny_model_dir, off, overlap, deep):
     h = _run(tiny_model_dir, speculative="ngram", num_speculative_tokens=3, overlap=overlap,
              deep_plan_ms=deep)  # fmt: skip
+    assert h.outputs == off
+    assert (h.scheduler.rb.spec_extra == 0).all()
+
+
+def test_suffix_output_equals_off(tiny_model_dir, off):
+    h = _run(tiny_model_dir, speculative="suffix", num_speculative_tokens=3)
     assert h.outputs == off
     assert (h.scheduler.rb.spec_extra == 0).all()
 
