@@ -232,6 +232,10 @@ class StepResult(_Msg):
 
 class RunnerReady(_Msg):
     num_kv_blocks: int
+    # the device's step time (seconds) at these token counts, for speculation's cost model
+    # (core/spec_cost.py): measured at start on cpu, the profile's on sim; empty: none
+    step_tokens: list[int] = []
+    step_seconds: list[float] = []
 
 
 class RunnerError(_Msg):
