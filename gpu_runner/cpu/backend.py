@@ -21,7 +21,7 @@ from gapless.common.step_costs import table_sizes
 from gapless.gpu_runner.batch import PersistentBatch, batch_for
 from gapless.gpu_runner.cpu import compiled, kernels
 from gapless.gpu_runner.cpu.attention import TorchAttention
-from gapless.gpu_runner.cpu.calibrate import step_seconds
+from gapless.gpu_runner.cpu.calibrate import CALIBRATE_MAX_TOKENS, step_seconds
 from gapless.gpu_runner.cpu.formats import resolve_dtype, resolve_quantization
 from gapless.gpu_runner.cpu.quant import SMALL_ROWS, quantize_model
 from gapless.gpu_runner.cpu.sampling import CPU_SAMPLING
@@ -100,7 +100,7 @@ class CpuBackend:
         # with ranks: every rank would have to run the same forwards at once
         self.step_costs: tuple[list[int], list[float]] = ([], [])
         if config.speculative != "off" and config.num_speculative_tokens and tp is None:
-            sizes = table_sizes(config.max_num_batched_tokens)
+            sizes = table_sizes(min(config.max_num_batched_tokens, CALIBRATE_MAX_TOKENS))
             self.step_costs = step_seconds(self.executor, sizes)
 
     @property

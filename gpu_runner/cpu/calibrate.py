@@ -4,8 +4,9 @@ Where one row and eight cost about the same (the weights are read once either wa
 nearly free; where the cores are busy with arithmetic every verified token costs as much as a
 decoded one. Which is which depends on this CPU, its threads and the model's format, so it is
 measured here, not taken from another machine: one forward of n tokens (one sequence from
-position 0, the eager path a verify step takes) for n = 1, 2, 4, ... up to the step budget,
-the best of a few runs each. The KV blocks it wrote are zeroed after.
+position 0, the eager path a verify step takes) for n = 1, 2, 4, ... up to the step budget or
+CALIBRATE_MAX_TOKENS, the best of a few runs each, after one run that is not timed (first
+uses of a shape). The KV blocks it wrote are zeroed after.
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ from gapless.gpu_runner.batch import IDS, LOGIT_ROWS, POSITIONS, SLOT_MAPPING, T
 from gapless.gpu_runner.executor import StepExecutor
 
 RUNS = 2  # per size, the fastest kept: other programs on the cores only slow a run down
+# why a cap: past a few dozen tokens a cpu step is bound by arithmetic, so the cost model
+# extends the table along its last segment instead of paying seconds at start to measure it
+CALIBRATE_MAX_TOKENS = 64
 
 
 @torch.inference_mode()
@@ -42,6 +46,7 @@ def step_seconds(ex: StepExecutor, sizes: list[int]) -> tuple[list[int], list[fl
         table[0, LOGIT_ROWS] = n - 1
         layout = StepLayout(np.array([n]), np.array([n]), pages[None, :], bs)
         best = float("inf")
+        ex.forward(n, ex.attn.build(layout, ex.batch.column(SLOT_MAPPING, n)), 1)
         for _ in range(RUNS):
             meta = ex.attn.build(layout, ex.batch.column(SLOT_MAPPING, n))
             start = time.perf_counter()
