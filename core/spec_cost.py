@@ -29,8 +29,9 @@ class SpecCost:
     def __init__(self, tokens: list[int] | None = None, seconds: list[float] | None = None):
         """tokens [N] ascending, seconds [N] the device's step time at each (empty: no model)."""
         self.tokens = np.asarray(tokens or [], np.float64)
-        # why the running max: noise on a shared machine must not make more tokens look cheaper
-        self.seconds = np.maximum.accumulate(np.asarray(seconds or [], np.float64))
+        # why the least over every size at or above: other work only slows a run down, and a
+        # step of more tokens that ran in s seconds bounds one of fewer (monotone, too)
+        self.seconds = np.minimum.accumulate(np.asarray(seconds or [], np.float64)[::-1])[::-1]
         self.accepted = 0.0  # decayed sums over results
         self.rejected = 0.0
         self.num_stopped = 0  # steps where some row could draft and k* was 0

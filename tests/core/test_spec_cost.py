@@ -49,8 +49,8 @@ def test_tables_that_say_always_and_never():
     linear = SpecCost(sizes, [0.001 * n for n in sizes])  # every token costs the same
     assert flat.best_k(8, 8, 0, 4) == 4 and linear.best_k(1, 1, 0, 4) == 0
     assert SpecCost().best_k(512, 512, 0, 4) == 4  # no table (cuda): k as asked
-    noisy = SpecCost([1, 2, 4], [0.02, 0.01, 0.03])  # a slow first run counts for all after
-    assert list(noisy.seconds) == [0.02, 0.02, 0.03]
+    noisy = SpecCost([1, 2, 4], [0.02, 0.01, 0.03])  # a run slowed by other work: bounded
+    assert list(noisy.seconds) == [0.01, 0.01, 0.03]
 
 
 def _decode_plan(num_requests: int):
