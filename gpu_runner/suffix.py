@@ -20,17 +20,22 @@ import numpy as np
 MATCH_MAX = 16  # longest suffix of a request's tokens matched
 MATCH_MIN = 2  # shortest match that drafts
 MATCH_ENOUGH = 4  # matches this long are as good as longer ones with fewer tokens after them
+MAX_CANDIDATES = 512  # the latest places a match may end that are compared: a bounded cost
 SEP = -1  # between two requests in a tenant's joined history
 
 
 def longest_match(history: np.ndarray, tail: np.ndarray, end: int, k: int) -> tuple[int, int]:
     """(length, position) of the longest match of tail's last tokens ending at a position
     below `end` (< len(history)) of history (int64, SEP between requests) that a token of
-    the same request follows. Matches of MATCH_ENOUGH tokens count as equal (so a run of one
+    the same request follows, among the latest MAX_CANDIDATES places that end with tail's last
+    two tokens. Matches of MATCH_ENOUGH tokens count as equal (so a run of one
     token drafts k of it); of the longest ones the latest with k tokens after it before `end`,
     else the earliest (the longest run to copy); (0, -1) when none."""
     cand = np.flatnonzero(history[:end] == tail[-1])  # [C] positions where a match may end
-    cand = cand[history[cand + 1] != SEP]
+    if len(tail) >= 2:  # why: a common last token has thousands; a match that drafts has 2
+        cand = cand[cand >= 1]
+        cand = cand[history[cand - 1] == tail[-2]]
+    cand = cand[history[cand + 1] != SEP][-MAX_CANDIDATES:]
     if not len(cand):
         return 0, -1
     m = len(tail)
