@@ -8,8 +8,10 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from gapless.common.messages import SamplingParams
+from gapless.common.step_costs import table_sizes
 from gapless.core.metrics import CoreMetrics
 from gapless.gpu_runner.backend import make_backend
+from gapless.gpu_runner.cpu.calibrate import step_seconds
 from gapless.gpu_runner.speculate import Drafts, ngram_lookup
 from tests.engine_harness import Harness, make_config
 
@@ -127,3 +129,15 @@ def test_a_stop_token_inside_an_accepted_run_ends_it_there(tiny_model_dir, off):
         outputs.append((h.outputs["a"], h.finish["a"]))
     assert outputs[0] == outputs[1]
     assert outputs[0][0][-1] == stop and len(outputs[0][0]) == ids.index(stop) + 1
+
+
+def test_calibration_times_each_size_and_leaves_no_trace(off_run):
+    """The cpu's step-time table (speculation's cost model): a time per size, and the KV
+    blocks and inputs table it used are zero again."""
+    ex = off_run.backend.executor
+    tokens, seconds = step_seconds(ex, table_sizes(40))
+    assert tokens == [1, 2, 4, 8, 16, 32, 40] and all(s > 0 for s in seconds)
+    bs = ex.batch.block_size
+    used = (-(-40 // bs) + 1) * bs
+    assert all(not cache[bs:used].any() for kv in ex.kv_cache for cache in kv)  # 0: scratch
+    assert not ex.batch.table.any()
