@@ -63,8 +63,10 @@ class Planner:
         nothing but given back blocks that fell out of a sliding window."""
         rb, bs = self.rb, self.blocks.block_size
         if self._steady is not rows:
-            # why: a row that drafts feeds 1 + k tokens, and the general plan counts them
-            if not rb.decodes_all(rows.slots) or rows.spec_k.any():
+            # why: a row that drafts feeds 1 + k tokens, and the general plan counts them;
+            # where the cost model stops drafting for this batch (k* = 0 for every row
+            # decoding) and no verify is in flight, the batch decodes plainly until it changes
+            if not rb.decodes_all(rows.slots) or not self._drafts_stopped(rows):
                 return None
             self._capacity = rb.num_blocks[rows.slots] * bs
             self._feed_below = rows.limit - 1
@@ -177,6 +179,17 @@ class Planner:
                 return rs[keep], take[keep], draft[keep]
             self.preempt(self.policy.victim(rb.running))
         return _EMPTY, _EMPTY, _EMPTY
+
+    def _drafts_stopped(self, rows: Rows) -> bool:
+        """No row of rows drafts this step: none may, or the cost model stops them all."""
+        k = rows.spec_k
+        if not k.any():
+            return True
+        if self.rb.spec_extra[rows.slots].any() or not self.spec_cost.has_model:
+            return False
+        n = len(rows.slots)
+        drafting = int((k > 0).sum())
+        return self.spec_cost.best_k(drafting, n, n - drafting, int(k.max())) == 0
 
     def _spec_k(self, spec_k: np.ndarray, drafts: np.ndarray, need: np.ndarray) -> np.ndarray:
         """[n] drafts each row may verify this step: its k, capped where the device's cost

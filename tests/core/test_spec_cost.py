@@ -53,7 +53,7 @@ def test_tables_that_say_always_and_never():
     assert list(noisy.seconds) == [0.01, 0.01, 0.03]
 
 
-def _decode_plan(num_requests: int):
+def _decode_plan(num_requests: int, steps: int = 1):
     s = make_scheduler(num_blocks=4096, block_size=16, max_num_seqs=256,
                        max_num_batched_tokens=2048, speculative="ngram",
                        num_speculative_tokens=4, step_costs=H100)  # fmt: skip
@@ -61,14 +61,19 @@ def _decode_plan(num_requests: int):
     step = s.schedule()
     assert step is not None and step.num_prefill_tokens == 6 * num_requests
     s.update_from_output(step, fake_result(step))
-    step = s.schedule()
-    assert step is not None and step.num_decode_tokens == num_requests
-    return step.plan.num_draft
+    for _ in range(steps):
+        step = s.schedule()
+        assert step is not None and step.num_decode_tokens == num_requests
+        s.update_from_output(step, fake_result(step))
+    return step
 
 
 def test_the_scheduler_plans_drafts_for_few_rows_and_none_for_many():
-    assert _decode_plan(4) == [4] * 4
-    assert not any(_decode_plan(256))
+    few = _decode_plan(4)
+    assert few.plan.num_draft == [4] * 4 and few.decode is None  # the general plan
+    many = _decode_plan(256, steps=3)
+    # no drafts: the steady-decode path, as without speculation
+    assert not any(many.plan.num_draft) and many.decode is not None
 
 
 def _sim_run(default_gguf, streams: int, spec: str, max_tokens: int):
