@@ -76,8 +76,8 @@ def test_the_scheduler_plans_drafts_for_few_rows_and_none_for_many():
     assert not any(many.plan.num_draft) and many.decode is not None
 
 
-def _sim_run(default_gguf, streams: int, spec: str, max_tokens: int):
-    cfg = sim_config(default_gguf, sim_profile="h100-llama3-8b", max_num_seqs=streams,
+def _sim_run(model_dir, streams: int, spec: str, max_tokens: int):
+    cfg = sim_config(model_dir, sim_profile="h100-llama3-8b", max_num_seqs=streams,
                      max_num_batched_tokens=8192, speculative=spec, num_speculative_tokens=4,
                      sim_time_scale=0.05)  # fmt: skip
     registry = CollectorRegistry()
@@ -90,10 +90,10 @@ def _sim_run(default_gguf, streams: int, spec: str, max_tokens: int):
     return h, drafted or 0.0
 
 
-def test_sim_verifies_at_the_profiles_acceptance_and_stops_for_a_big_batch(default_gguf):
-    on, drafted = _sim_run(default_gguf, 8, "ngram", 48)
-    assert drafted > 0 and on.steps < 48 * 0.8  # off: a prefill step, then one per token
+def test_sim_verifies_at_the_profiles_acceptance_and_stops_for_a_big_batch(tiny_model_dir):
+    on, drafted = _sim_run(tiny_model_dir, 8, "ngram", 32)
+    assert drafted > 0 and on.steps < 32 * 0.8  # off: a prefill step, then one per token
     accepted = on.scheduler.spec_cost.acceptance
     assert abs(accepted - get_profile("h100-llama3-8b").spec_acceptance) < 0.1
-    big, drafted = _sim_run(default_gguf, 256, "ngram", 16)
+    big, drafted = _sim_run(tiny_model_dir, 256, "ngram", 8)
     assert drafted == 0 and big.scheduler.spec_cost.num_stopped > 0

@@ -67,7 +67,7 @@ def test_bounds_per_tenant_and_in_all_drop_the_least_recently_used():
     assert "a" not in index.tenants  # every request of a went: so did a
 
 
-def _serial(model_dir, requests: list[tuple[str, str]], max_tokens: int = 16):
+def _serial(model_dir, requests: list[tuple[str, str]], max_tokens: int = 12):
     """Requests (id, tenant) of PLAIN one after another on one engine with suffix drafts;
     the outputs, the drafts proposed for each request, and the steps each request took."""
     # why depth 2 always and no step-time table: the drafts must not depend on timings
