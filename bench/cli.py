@@ -226,6 +226,10 @@ def main(argv: list[str] | None = None) -> None:
         from gapless.bench.edit import main as edit_main
 
         sys.exit(edit_main(argv[1:]))
+    if argv[:1] == ["spec-cost"]:
+        from gapless.bench.spec_cost import main as spec_cost_main
+
+        sys.exit(spec_cost_main(argv[1:]))
     if argv[:1] == ["plot"]:
         args = build_plot_parser().parse_args(argv[1:])
         from gapless.bench.figures import plot_saved

@@ -148,11 +148,12 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         ),
     ] = True
     speculative: Annotated[
-        Literal["off", "ngram"],
+        Literal["off", "ngram", "suffix"],
         msgspec.Meta(
             description="speculative decoding: ngram drafts each decoding request's next "
             "tokens from its own prompt and output (prompt lookup) and verifies them in one "
-            "step, output unchanged; a request's `prediction` drafts whatever this says"
+            "step, output unchanged; suffix also from its tenant's recent requests (never "
+            "another tenant's); a request's `prediction` drafts whatever this says"
         ),
     ] = "off"
     num_speculative_tokens: Annotated[

@@ -142,10 +142,13 @@ class NewSlot(_Msg):
     # request has penalties: the sampler must count every token of the sequence
     cached_ids: list[int] = []
     prompt_token_ids: list[int] = []  # only with params.prompt_logprobs: the tokens to score
-    # speculation: "" none, else the drafter ("ngram"; "prediction" drafts from `prediction`);
+    # speculation: "" none, else the drafter ("ngram", "suffix"; "prediction" drafts from `prediction`);
     # a drafting slot is also sent its cached_ids, which the n-gram lookup reads
     draft_method: str = ""
     prediction: list[int] = []
+    # a `suffix` slot's tenant: its drafts come from this tenant's requests, and its tokens
+    # join this tenant's history when it leaves; never another tenant's
+    tenant: str = ""
 
 
 class StepPlan(_Msg):
@@ -229,6 +232,10 @@ class StepResult(_Msg):
 
 class RunnerReady(_Msg):
     num_kv_blocks: int
+    # the device's step time (seconds) at these token counts, for speculation's cost model
+    # (core/spec_cost.py): measured at start on cpu, the profile's on sim; empty: none
+    step_tokens: list[int] = []
+    step_seconds: list[float] = []
 
 
 class RunnerError(_Msg):

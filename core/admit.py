@@ -107,4 +107,6 @@ class Admission:
             new.cached_ids = req.known_tokens(0, cached)
         if req.spec_k:
             new.draft_method, new.prediction = req.draft_method, req.prediction
+            if req.draft_method == "suffix":  # its drafts draw on this tenant's history only
+                new.tenant = req.tenant
         return new

@@ -89,6 +89,7 @@ class EngineCore:
         num_kv_blocks: int,
         metrics: CoreMetrics | None = None,
         kv_events: bool | None = None,  # None: as --kv-events-endpoint says
+        step_costs: tuple[list[int], list[float]] | None = None,  # RunnerReady's step table
     ) -> None:
         self.config = config
         self._step_s = float("inf")  # moving average of device step time; none seen yet
@@ -116,6 +117,7 @@ class EngineCore:
             kv_events=self.kv_events,
             speculative=config.speculative,
             num_speculative_tokens=config.num_speculative_tokens,
+            step_costs=step_costs,
         )
         self.inflight: deque[ScheduledStep] = deque()
         self.stall = StallWatch(config.stall_timeout_s)

@@ -21,6 +21,7 @@ from gapless.core.policy import Policy
 from gapless.core.request import Request
 from gapless.core.rows import Rows
 from gapless.core.running import RunningBatch
+from gapless.core.spec_cost import SpecCost
 from gapless.core.step import ScheduledStep
 from gapless.core.window import WindowRelease
 
@@ -37,7 +38,9 @@ class Planner:
         max_num_batched_tokens: int,
         preempt: Callable[[Request], None],
         window: WindowRelease | None = None,
+        spec_cost: SpecCost | None = None,
     ) -> None:
+        self.spec_cost = SpecCost() if spec_cost is None else spec_cost  # drafts per step
         self.rb = rb
         self.blocks = blocks
         self.slots = slots
@@ -60,8 +63,10 @@ class Planner:
         nothing but given back blocks that fell out of a sliding window."""
         rb, bs = self.rb, self.blocks.block_size
         if self._steady is not rows:
-            # why: a row that drafts feeds 1 + k tokens, and the general plan counts them
-            if not rb.decodes_all(rows.slots) or rows.spec_k.any():
+            # why: a row that drafts feeds 1 + k tokens, and the general plan counts them;
+            # where the cost model stops drafting for this batch (k* = 0 for every row
+            # decoding) and no verify is in flight, the batch decodes plainly until it changes
+            if not rb.decodes_all(rows.slots) or not self._drafts_stopped(rows):
                 return None
             self._capacity = rb.num_blocks[rows.slots] * bs
             self._feed_below = rows.limit - 1
@@ -157,8 +162,9 @@ class Planner:
             drafts = rows.spec_k > 0
             if drafts.any():  # a decoding row verifies up to k drafts, within the limit
                 drafts &= (need == 1) & (comp >= rb.prefill_end[rs])
+                k = self._spec_k(rows.spec_k, drafts, need)
                 room = rows.limit - total - extra - 1
-                cost = need + np.where(drafts, np.clip(np.minimum(rows.spec_k, room), 0, None), 0)
+                cost = need + np.where(drafts, np.clip(np.minimum(k, room), 0, None), 0)
             before = np.cumsum(cost) - cost
             fits = np.clip(self.max_num_batched_tokens - before, 0, cost)
             take = np.minimum(fits, need)
@@ -173,6 +179,28 @@ class Planner:
                 return rs[keep], take[keep], draft[keep]
             self.preempt(self.policy.victim(rb.running))
         return _EMPTY, _EMPTY, _EMPTY
+
+    def _drafts_stopped(self, rows: Rows) -> bool:
+        """No row of rows drafts this step: none may, or the cost model stops them all."""
+        k = rows.spec_k
+        if not k.any():
+            return True
+        if self.rb.spec_extra[rows.slots].any() or not self.spec_cost.has_model:
+            return False
+        n = len(rows.slots)
+        drafting = int((k > 0).sum())
+        return self.spec_cost.best_k(drafting, n, n - drafting, int(k.max())) == 0
+
+    def _spec_k(self, spec_k: np.ndarray, drafts: np.ndarray, need: np.ndarray) -> np.ndarray:
+        """[n] drafts each row may verify this step: its k, capped where the device's cost
+        model says more drafts lose (core/spec_cost.py)."""
+        num_drafting = int(drafts.sum())
+        if not num_drafting or not self.spec_cost.has_model:
+            return spec_k
+        tokens = min(int(need.sum()), self.max_num_batched_tokens)
+        others = int((need == 1).sum()) - num_drafting
+        best = self.spec_cost.best_k(num_drafting, tokens, others, int(spec_k[drafts].max()))
+        return np.minimum(spec_k, best)
 
     def build(
         self,

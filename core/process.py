@@ -192,7 +192,9 @@ def run_core(config: EngineConfig) -> None:
             size = config.num_ranks
             if not runner.wait_subscribers(size, int(config.dist_timeout_s * 1000)):
                 raise RuntimeError(f"{runner.num_subscribers} of {size} runner ranks joined")
-        process = CoreProcess(EngineCore(config, ready.num_kv_blocks), ctx, results, runner)
+        costs = (ready.step_tokens, ready.step_seconds)
+        core = EngineCore(config, ready.num_kv_blocks, step_costs=costs)
+        process = CoreProcess(core, ctx, results, runner)
         control.ready(num_kv_blocks=ready.num_kv_blocks)
         process.run()
     except Exception as e:  # reported, then the supervisor ends the engine

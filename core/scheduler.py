@@ -30,6 +30,7 @@ from gapless.core.policy import Policy
 from gapless.core.prefix import PrefixCache
 from gapless.core.request import Request, Status
 from gapless.core.running import RunningBatch
+from gapless.core.spec_cost import SpecCost
 from gapless.core.step import ScheduledStep, StepOutput
 from gapless.core.window import WindowRelease
 
@@ -56,6 +57,9 @@ class Scheduler:
         # draft) and the drafts a decoding request verifies per step (0: none)
         speculative: str = "off",
         num_speculative_tokens: int = 0,
+        # the device's step time by tokens fed ([N] tokens, [N] seconds; RunnerReady): where
+        # drafts make a step lose, fewer or none (core/spec_cost.py); None: always k
+        step_costs: tuple[list[int], list[float]] | None = None,
     ) -> None:
         self.speculative = speculative
         self.num_speculative_tokens = num_speculative_tokens
@@ -79,9 +83,11 @@ class Scheduler:
         p = self.policy
         self.admission = Admission(self.rb, self.blocks, self.slots, p, self.prefix, max_num_seqs)
         slide = WindowRelease(window, self.blocks, self.rb, self.prefix) if window else None
+        self.spec_cost = SpecCost(*(step_costs or ([], [])))
         self.planner = Planner(
-            self.rb, self.blocks, self.slots, p, max_num_batched_tokens, self.preempt, slide
-        )
+            self.rb, self.blocks, self.slots, p, max_num_batched_tokens, self.preempt, slide,
+            self.spec_cost,
+        )  # fmt: skip
         eos = np.asarray(eos_token_ids, np.int64)
         self.applier = Applier(self.rb, p, eos, self._scoring, self._sample_off_slot)
 
@@ -249,6 +255,9 @@ class Scheduler:
     def update_from_output(self, step: ScheduledStep, result: StepResult) -> StepOutput:
         """Append sampled ids, check stops and length for the whole batch, finish what ended."""
         out, ended = self.applier.apply(step, result)
+        if result.num_drafted:
+            drafted = np.asarray(result.num_drafted, np.int64)
+            self.spec_cost.observe(drafted, np.asarray(result.counts, np.int64) - 1)
         for j in np.flatnonzero(ended).tolist():
             self.finish(out.requests[j], out.end_reasons[j])
         return out

@@ -221,7 +221,9 @@ class StepExecutor:
             self.prompts.add(new)
             self.pooler.add(new.slot, new.params.pooling, new.num_prompt_tokens)
             if new.draft_method:
-                self.drafts.add(new.slot, new.draft_method, new.prediction, new.cached_ids)
+                self.drafts.add(
+                    new.slot, new.draft_method, new.prediction, new.cached_ids, new.tenant
+                )
 
     def prepare(self, plan: StepPlan, pooling: bool = False) -> tuple[StepInputs, AttentionMeta]:
         """Host work: the static table (not yet uploaded) and the attention plan. A step with

@@ -72,7 +72,8 @@ def run_gpu_runner(config: EngineConfig, rank: int = 0) -> None:
 
         backend = make_backend(config, rank)
         check = PlanCheck(config, backend.batch, backend.num_blocks)
-        results.send(RunnerReady(num_kv_blocks=backend.num_blocks))
+        tokens, seconds = getattr(backend, "step_costs", ([], []))
+        results.send(RunnerReady(backend.num_blocks, tokens, seconds))
         if rank == 0:  # cuda: the KV cache's bytes, the memory budget, the stages' ms as well
             control.ready(num_kv_blocks=backend.num_blocks, **getattr(backend, "ready_info", {}))
         inflight: deque = deque()

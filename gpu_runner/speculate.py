@@ -8,6 +8,8 @@ while the previous one was in flight never needs ids the core has not seen.
 
 - `ngram` (prompt lookup): the last n tokens (n = NGRAM_MAX down to NGRAM_MIN) are looked up
   in the slot's earlier tokens; the tokens after the latest match are the drafts.
+- `suffix`: the slot's last tokens matched against its own tokens and its tenant's recent
+  requests (gpu_runner/suffix.py); a slot that leaves adds its tokens to its tenant's history.
 - `prediction`: the predicted ids after the last one the output matched; after a mismatch the
   output's last tokens are looked up in the prediction to re-align (longest match first, the
   earliest one after where it was).
@@ -20,6 +22,8 @@ from __future__ import annotations
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
+
+from gapless.gpu_runner.suffix import SuffixIndex
 
 NGRAM_MAX, NGRAM_MIN = 3, 2  # lengths of the n-gram looked up, longest first
 REALIGN_MAX = 4  # longest output suffix looked up in a prediction after a mismatch
@@ -40,16 +44,21 @@ def ngram_lookup(tokens: list[int], k: int) -> list[int]:
 
 
 class Drafts:
-    def __init__(self, num_slots: int) -> None:
+    def __init__(self, num_slots: int, suffix: SuffixIndex | None = None) -> None:
+        self.suffix = SuffixIndex() if suffix is None else suffix
         self.method = [""] * num_slots  # "" for a slot that does not draft
+        self.tenant = [""] * num_slots  # whose history a suffix slot drafts from and joins
         self.active = np.zeros(num_slots, bool)  # [slots] drafting
         self.tokens: list[list[int]] = [[] for _ in range(num_slots)]  # prompt, then outputs
         self.prediction: list[list[int]] = [[] for _ in range(num_slots)]
         self.next: list[int] = [0] * num_slots  # prediction index expected next; -1: lost
         self.last_match = [0] * num_slots  # where the prediction last matched
 
-    def add(self, slot: int, method: str, prediction: list[int], cached: list[int]) -> None:
+    def add(
+        self, slot: int, method: str, prediction: list[int], cached: list[int], tenant: str = ""
+    ) -> None:
         self.method[slot] = method
+        self.tenant[slot] = tenant
         self.active[slot] = bool(method)
         self.tokens[slot] = list(cached)
         self.prediction[slot] = prediction
@@ -58,6 +67,8 @@ class Drafts:
         self.last_match[slot] = 0
 
     def remove(self, slot: int) -> None:
+        if self.method[slot] == "suffix":
+            self.suffix.add(self.tenant[slot], self.tokens[slot])
         self.method[slot] = ""
         self.active[slot] = False
         self.tokens[slot] = []
@@ -94,6 +105,8 @@ class Drafts:
             if at < 0:
                 at = self.next[slot] = self._realign(slot)
             return self.prediction[slot][at : at + k] if at >= 0 else []
+        if self.method[slot] == "suffix":
+            return self.suffix.propose(self.tenant[slot], self.tokens[slot], k)
         return ngram_lookup(self.tokens[slot], k)
 
     def _realign(self, slot: int) -> int:

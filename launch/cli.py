@@ -24,6 +24,7 @@ from gapless.common.config import (
 )
 from gapless.gpu_runner.sim.profiles import list_profiles
 from gapless.launch.keys_file import KeysFile, read_keys_file
+from gapless.launch.speculative_config import parse_speculative_config
 
 # why: the config reaches every process in one environment variable, which Linux caps at
 # 128 KiB (MAX_ARG_STRLEN), name included
@@ -183,6 +184,15 @@ def add_serve_args(p: argparse.ArgumentParser, cls: type[EngineConfig] = EngineC
         help="the tenant NAME gets W times the fair share of a tenant of weight 1; repeat it for "
         "more tenants; overrides the keys file's weight (default: every tenant weighs 1)",
     )
+    # why by hand: vLLM's JSON form of --speculative and --num-speculative-tokens
+    p.add_argument(
+        "--speculative-config",
+        metavar="JSON",
+        type=parse_speculative_config,
+        help='vLLM\'s speculative config, such as \'{"method": "suffix", '
+        '"num_speculative_tokens": 4}\', for the methods gapless has (ngram, suffix); its '
+        "values win over --speculative and --num-speculative-tokens",
+    )
 
 
 def check_tensor_parallel(config: EngineConfig) -> None:
@@ -249,6 +259,7 @@ def config_from_args(
         if flags[field.name] is None and any(field.name in v for v in DEVICE_DEFAULTS.values()):
             by_device = DEVICE_DEFAULTS.get(flags["device"], {})
             flags[field.name] = by_device.get(field.name, field.default)
+    flags.update(getattr(args, "speculative_config", None) or {})
     config = cls(
         model=info,
         served_model_name=name,

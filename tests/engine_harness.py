@@ -51,7 +51,8 @@ class Harness:
         metrics: CoreMetrics | None = None,
     ) -> None:
         self.backend = backend or make_backend(config)
-        self.core = EngineCore(config, self.backend.num_blocks, metrics)
+        costs = getattr(self.backend, "step_costs", None)  # as RunnerReady brings them
+        self.core = EngineCore(config, self.backend.num_blocks, metrics, step_costs=costs)
         self.detok = DetokenizerState(load_tokenizer(config.model))
         self.outputs: dict[str, list[int]] = {}  # token ids as the core sent them
         self.token_steps: dict[str, list[int]] = {}  # the step each of those ids arrived at

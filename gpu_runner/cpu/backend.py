@@ -17,9 +17,11 @@ import torch
 from gapless.common.config import CPU_KV_CACHE_MEMORY, EngineConfig
 from gapless.common.messages import StepPlan, StepResult
 from gapless.common.model_files import ModelArch, load_arch
+from gapless.common.step_costs import table_sizes
 from gapless.gpu_runner.batch import PersistentBatch, batch_for
 from gapless.gpu_runner.cpu import compiled, kernels
 from gapless.gpu_runner.cpu.attention import TorchAttention
+from gapless.gpu_runner.cpu.calibrate import CALIBRATE_MAX_TOKENS, step_seconds
 from gapless.gpu_runner.cpu.formats import resolve_dtype, resolve_quantization
 from gapless.gpu_runner.cpu.quant import SMALL_ROWS, quantize_model
 from gapless.gpu_runner.cpu.sampling import CPU_SAMPLING
@@ -94,6 +96,12 @@ class CpuBackend:
         self.graphs = self.executor.graphs
         if self.compiled:
             self._compile()
+        # speculation's cost model (core/spec_cost.py), for --speculative's drafts; why not
+        # with ranks: every rank would have to run the same forwards at once
+        self.step_costs: tuple[list[int], list[float]] = ([], [])
+        if config.speculative != "off" and config.num_speculative_tokens and tp is None:
+            sizes = table_sizes(min(config.max_num_batched_tokens, CALIBRATE_MAX_TOKENS))
+            self.step_costs = step_seconds(self.executor, sizes)
 
     @property
     def num_blocks(self) -> int:

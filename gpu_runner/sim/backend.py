@@ -26,7 +26,7 @@ from gapless.common.model_files import load_arch, load_tokenizer
 from gapless.gpu_runner.batch import SLOT_MAPPING, batch_for
 from gapless.gpu_runner.sampling.grammar import GrammarRows
 from gapless.gpu_runner.sampling.logprobs import row_logprobs
-from gapless.gpu_runner.sim.profiles import get_profile, num_kv_blocks, step_time
+from gapless.gpu_runner.sim.profiles import get_profile, num_kv_blocks, step_costs, step_time
 
 
 def ordinary_token_ids(config: EngineConfig) -> np.ndarray:
@@ -54,6 +54,9 @@ class SimStep:
     device_start: float
     device_end: float
     ready_at: float  # device_end plus the modelled device-to-host copy
+    # a verify step: [E_s] tokens of each sampled entry and [E_s] drafts it verified
+    counts: np.ndarray | None = None
+    num_drafted: np.ndarray | None = None
 
 
 class SimBackend:
@@ -78,6 +81,11 @@ class SimBackend:
         # top-k logprobs of rank r: log(2^-(r+1)), the sampled token at rank 0 (sim)
         k = max(config.max_logprobs, 1)
         self.rank_logprobs = -np.log(2.0) * np.arange(1, k + 1)
+        self.step_costs = step_costs(
+            self.profile, config.max_num_batched_tokens, config.sim_time_scale
+        )
+        self.spec_rng = np.random.default_rng([config.seed, 3])  # drafts accepted, at launch
+        self._verify: tuple[np.ndarray, np.ndarray] | None = None  # the step's [E_s] counts, slots
         self.device_free_at = 0.0
         self.last_seq = 0
         # constrained rows run their real grammar masks on the host (their CPU cost is real);
@@ -103,12 +111,23 @@ class SimBackend:
             return SimStep(plan.seq, none, none, none, received, received, received, received,
                            received)  # fmt: skip
         num_tokens, num_prefill, total_context, attended, sample_slots = self._prepare(plan)
+        counts = drafted = None
+        if self._verify is not None:  # one token per entry, then its accepted drafts
+            counts, drafted = self._accept(*self._verify)
+            sample_slots = np.repeat(self._verify[1], counts)
         token_ids = self.vocab[self.rng.integers(0, len(self.vocab), len(sample_slots))]
         if self.grammar.any_in(sample_slots):
             token_ids = self._constrain(sample_slots, token_ids)
         t_step = self.config.sim_time_scale * step_time(
             self.profile, num_tokens, len(plan.slots), total_context, num_prefill, attended
         )
+        if drafted is not None:  # the sampler's rounds, one per draft position
+            t_step += (
+                self.config.sim_time_scale
+                * self.profile.verify_round_us
+                * 1e-6
+                * int(drafted.max())
+            )
         launched = time.perf_counter()
         start = max(launched, self.device_free_at)
         end = start + t_step
@@ -116,7 +135,8 @@ class SimBackend:
         asks = self.num_logprobs[sample_slots]
         ready = end + self.profile.d2h_us * 1e-6
         pooled = self.pooling[sample_slots]
-        return SimStep(plan.seq, token_ids, asks, pooled, received, launched, start, end, ready)
+        return SimStep(plan.seq, token_ids, asks, pooled, received, launched, start, end, ready,
+                       counts, drafted)  # fmt: skip
 
     def seconds_until_ready(self, handle: SimStep) -> float:
         return max(0.0, handle.ready_at - time.perf_counter())
@@ -126,6 +146,8 @@ class SimBackend:
         if wait > 0:
             time.sleep(wait)
         result = StepResult(seq=handle.seq, token_ids=handle.token_ids.tolist())
+        if handle.counts is not None and handle.num_drafted is not None:
+            result.counts, result.num_drafted = handle.counts.tolist(), handle.num_drafted.tolist()
         if (handle.asks >= 0).any():
             result.logprobs = self._logprobs(handle)
         if handle.pooled.any():
@@ -164,7 +186,7 @@ class SimBackend:
             self.grammar.remove(slot)
         for new in plan.new_slots:
             self.grammar.add(new.slot, new.params.grammar, new.num_prompt_tokens)
-            self.batch.add(new.slot)
+            self.batch.add(new.slot, drafting=bool(new.draft_method))
             lp = new.params.logprobs
             self.num_logprobs[new.slot] = -1 if lp is None else min(lp, self.config.max_logprobs)
             self.pooling[new.slot] = new.num_prompt_tokens if new.params.pooling else 0
@@ -179,7 +201,14 @@ class SimBackend:
         Returns (tokens, prompt tokens, sum of contexts, sum of keys attended, sampling slots).
         """
         bs, b = self.config.block_size, len(plan.slots)
-        inp = self.batch.prepare(plan, pad=True)
+        drafts = None  # sim drafts carry no text: stand-in ids, accepted at the profile's rate
+        if plan.num_draft and any(plan.num_draft):
+            drafts = [[int(self.vocab[0])] * k for k in plan.num_draft]
+        inp = self.batch.prepare(plan, pad=True, drafts=drafts)
+        self._verify = None
+        if inp.sample_counts is not None:
+            assert inp.entry_slots_host is not None
+            self._verify = (inp.sample_counts, inp.entry_slots_host)
         n, ctx = inp.layout.num_tokens[:b], inp.layout.ctx_len[:b]  # [B] each
         assert (self.batch.num_blocks[plan.slots] * bs >= ctx).all(), "plan outruns its KV blocks"
         t = inp.num_tokens
@@ -189,6 +218,18 @@ class SimBackend:
         # keys attended: query i of an entry sees start + i + 1 keys (causal)
         attended = int((n * (ctx - n) + n * (n + 1) // 2).sum())
         return t, inp.num_fed, int(ctx.sum()), attended, inp.sample_slots_host
+
+    def _accept(self, cnt: np.ndarray, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """[E_s] tokens each entry of a verify yields and [E_s] drafts it verified: each draft
+        accepted with the profile's rate after the one before it was (sim). The slots'
+        lengths give back the rejected drafts' positions, as the runner's verify does."""
+        drafted = cnt - 1
+        width = max(int(drafted.max()), 1)
+        hits = self.spec_rng.random((len(cnt), width)) < self.profile.spec_acceptance
+        hits &= np.arange(width)[None, :] < drafted[:, None]
+        run = hits.cumprod(axis=1).sum(axis=1) + 1  # [E_s]
+        self.batch.length[slots] -= cnt - run
+        return run, drafted
 
     def _vector(self, num_prompt: int) -> bytes:
         """The stand-in embedding of a prompt of this length: little-endian float32 (sim)."""

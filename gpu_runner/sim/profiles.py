@@ -20,6 +20,7 @@ import math
 from dataclasses import dataclass
 
 from gapless.common.config import max_useful_blocks
+from gapless.common.step_costs import table_sizes
 
 GB = 10**9
 GIB = 2**30
@@ -77,6 +78,11 @@ class SimProfile:
     # step (the GPU check's report, bench/gpu_check, emits them); 1.0 is the model above
     decode_scale: float = 1.0  # decode-only steps
     prefill_scale: float = 1.0  # steps that carry prompt tokens
+    # speculation: a verify step costs its tokens (drafts included) like any step, plus a
+    # sampling round per draft position; each draft is accepted with this probability after
+    # the one before it was (a stated rate, not a model's: sim drafts carry no text)
+    verify_round_us: float = 10.0
+    spec_acceptance: float = 0.7
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -276,3 +282,10 @@ def num_kv_blocks(
     free = profile.memory_bytes * profile.memory_utilization - profile.weight_bytes_per_gpu
     fit = max(0, math.floor(free / kv_bytes_per_block(profile, block_size)))
     return int(min(fit, max_useful_blocks(max_num_seqs, max_model_len, block_size)))
+
+
+def step_costs(profile: SimProfile, max_tokens: int, scale: float = 1.0):
+    """(tokens, seconds): the modelled time of a decode-shaped step of n tokens for n = 1, 2,
+    4, ... max_tokens, the table speculation's cost model reads (core/spec_cost.py; sim)."""
+    tokens = table_sizes(max_tokens)
+    return tokens, [scale * step_time(profile, n, 1, n) for n in tokens]

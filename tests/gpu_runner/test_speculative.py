@@ -1,5 +1,5 @@
 """Speculative decoding on the cpu device, in process: the tokens equal speculation off's,
-greedy and at seeded temperature 0.8, with n-gram drafts and with a `prediction`, with steps
+greedy and at seeded temperature 0.8, with n-gram and suffix drafts and with a `prediction`, with steps
 in flight (depth 2 and 3), with a KV cache small enough to preempt, and a stop inside a run."""
 
 from __future__ import annotations
@@ -8,8 +8,10 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from gapless.common.messages import SamplingParams
+from gapless.common.step_costs import table_sizes
 from gapless.core.metrics import CoreMetrics
 from gapless.gpu_runner.backend import make_backend
+from gapless.gpu_runner.cpu.calibrate import step_seconds
 from gapless.gpu_runner.speculate import Drafts, ngram_lookup
 from tests.engine_harness import Harness, make_config
 
@@ -52,6 +54,12 @@ def off(off_run):
 def test_ngram_output_equals_off(tiny_model_dir, off, overlap, deep):
     h = _run(tiny_model_dir, speculative="ngram", num_speculative_tokens=3, overlap=overlap,
              deep_plan_ms=deep)  # fmt: skip
+    assert h.outputs == off
+    assert (h.scheduler.rb.spec_extra == 0).all()
+
+
+def test_suffix_output_equals_off(tiny_model_dir, off):
+    h = _run(tiny_model_dir, speculative="suffix", num_speculative_tokens=3)
     assert h.outputs == off
     assert (h.scheduler.rb.spec_extra == 0).all()
 
@@ -121,3 +129,15 @@ def test_a_stop_token_inside_an_accepted_run_ends_it_there(tiny_model_dir, off):
         outputs.append((h.outputs["a"], h.finish["a"]))
     assert outputs[0] == outputs[1]
     assert outputs[0][0][-1] == stop and len(outputs[0][0]) == ids.index(stop) + 1
+
+
+def test_calibration_times_each_size_and_leaves_no_trace(off_run):
+    """The cpu's step-time table (speculation's cost model): a time per size, and the KV
+    blocks and inputs table it used are zero again."""
+    ex = off_run.backend.executor
+    tokens, seconds = step_seconds(ex, table_sizes(40))
+    assert tokens == [1, 2, 4, 8, 16, 32, 40] and all(s > 0 for s in seconds)
+    bs = ex.batch.block_size
+    used = (-(-40 // bs) + 1) * bs
+    assert all(not cache[bs:used].any() for kv in ex.kv_cache for cache in kv)  # 0: scratch
+    assert not ex.batch.table.any()

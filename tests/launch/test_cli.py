@@ -100,6 +100,7 @@ FLAGS = {
     "--stats-interval S": "10.0",
     "--api-keys-file FILE": None,
     "--tenant-weight NAME=W": "every tenant weighs 1",
+    "--speculative-config JSON": None,
 }
 WIDE = "1000"  # columns, so no help line wraps
 
