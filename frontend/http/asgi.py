@@ -196,6 +196,17 @@ class Responder:
         self.sent_events += 1
         return True
 
+    async def frames(self, data: bytes) -> None:
+        """SSE events already framed (`event:` and `data:` lines each)."""
+        await self._stream_write(data)
+
+    async def end_stream(self) -> None:
+        """The end of a stream that closes without [DONE] (the Responses API's)."""
+        if not self.started:
+            await self._start_stream()
+        self.finished = True
+        await self._send({"type": "http.response.body", "body": b""})
+
     async def comment(self) -> None:
         """An SSE comment, which clients ignore: it keeps proxies from cutting a quiet stream."""
         await self._stream_write(_KEEPALIVE)

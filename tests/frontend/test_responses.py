@@ -1,0 +1,265 @@
+"""POST /v1/responses and the stored responses through the official openai client, against the
+app on a real uvicorn (in a thread) over the fake engine, which echoes the prompt's words or
+plays a script; the prompts it was sent show what a continued response stands on."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from gapless.frontend.api.responses_store import ResponseStore
+from tests.frontend.conftest import MODEL, served
+from tests.frontend.fake_engine import FakeEngine
+
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "the weather in a city",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+}
+CALL = '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def engine(hf_tokenizer) -> FakeEngine:
+    return FakeEngine(hf_tokenizer[0])
+
+
+@pytest.fixture(scope="module")
+def base_url(make_config, engine: FakeEngine, tmp_path_factory) -> Iterator[str]:
+    store = tmp_path_factory.mktemp("responses") / "responses.sqlite"
+    with served(make_config(responses_store=str(store)), engine) as port:
+        yield f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="module")
+def client(base_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base_url + "/v1", api_key="k", max_retries=0, timeout=10)
+
+
+@pytest.fixture(autouse=True)
+def _unscripted(engine: FakeEngine) -> Iterator[None]:
+    yield
+    engine.script = None
+
+
+def _prompt(engine: FakeEngine) -> str:
+    return engine.tokenizer.decode(engine.added[-1].prompt_token_ids, skip_special_tokens=False)
+
+
+def test_a_string_and_items_whole(client: openai.OpenAI, engine: FakeEngine) -> None:
+    r = client.responses.create(model=MODEL, input="red green blue", max_output_tokens=2)
+    assert r.object == "response" and r.id.startswith("resp_") and len(r.id) >= 5 + 32
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.output[0].type == "message" and r.output_text.split()[0] in _prompt(engine)
+    assert r.usage.output_tokens == 2
+    assert r.usage.total_tokens == r.usage.input_tokens + 2
+    assert r.usage.input_tokens == len(engine.added[-1].prompt_token_ids)
+    items = [
+        {"role": "developer", "content": "be brief"},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "one"}]},
+        {"role": "assistant", "content": [{"type": "output_text", "text": "two"}]},
+        {"role": "user", "content": "three"},
+    ]
+    r = client.responses.create(model=MODEL, input=items, instructions="sys words")
+    prompt = _prompt(engine)
+    for word in ("sys words", "be brief", "one", "two", "three"):
+        assert word in prompt
+    assert prompt.index("sys words") < prompt.index("be brief") < prompt.index("three")
+    assert r.status == "completed" and r.instructions == "sys words"
+
+
+def test_streamed_events_and_the_final_response(client: openai.OpenAI) -> None:
+    with client.responses.stream(model=MODEL, input="alpha beta gamma") as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    kinds = [e.type for e in events]
+    assert kinds[:4] == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert kinds[-4:] == [
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    text = "".join(d.delta for d in deltas)
+    assert final.output_text == text and events[-1].response.output_text == text
+    item = final.output[0].id
+    assert all(d.item_id == item and d.output_index == 0 and d.content_index == 0 for d in deltas)
+    assert final.usage.output_tokens == len(deltas)
+    # the same events through create(stream=True)
+    again = list(client.responses.create(model=MODEL, input="alpha beta gamma", stream=True))
+    assert [e.type for e in again] == kinds
+
+
+def test_a_forced_call_then_its_output_continues(client: openai.OpenAI, engine: FakeEngine):
+    engine.script = [CALL]
+    r = client.responses.create(
+        model=MODEL,
+        input="weather in Paris?",
+        tools=[WEATHER],
+        tool_choice={"type": "function", "name": "get_weather"},
+    )
+    assert engine.added[-1].params.grammar, "a named tool choice is constrained"
+    [call] = r.output
+    assert call.type == "function_call" and call.name == "get_weather"
+    assert json.loads(call.arguments) == {"city": "Paris"}
+    assert r.tools[0].strict is True  # a function without strict is strict
+    engine.script = None
+    follow = client.responses.create(
+        model=MODEL,
+        previous_response_id=r.id,
+        input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21C"}],
+        tools=[WEATHER],
+    )
+    prompt = _prompt(engine)
+    assert "weather in Paris?" in prompt and '"city": "Paris"' in prompt and "get_weather" in prompt
+    assert "<tool_response>\nsunny, 21C\n</tool_response>" in prompt
+    assert follow.previous_response_id == r.id
+    types = [it.type for it in client.responses.input_items.list(follow.id, order="asc").data]
+    assert types == ["message", "function_call", "function_call_output"]
+
+
+def test_a_streamed_call(client: openai.OpenAI, engine: FakeEngine) -> None:
+    engine.script = ["<tool_call>", CALL[len("<tool_call>") :]]
+    events = list(
+        client.responses.create(
+            model=MODEL, input="weather?", tools=[WEATHER], tool_choice="required", stream=True
+        )
+    )
+    kinds = [e.type for e in events]
+    assert kinds == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    done = events[-2].item
+    assert done.type == "function_call" and json.loads(done.arguments) == {"city": "Paris"}
+    assert events[-1].response.output[0].call_id == done.call_id
+
+
+def test_text_format_json_schema_is_a_grammar(client: openai.OpenAI, engine: FakeEngine):
+    engine.script = ['{"city": "Rome"}']
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    r = client.responses.create(
+        model=MODEL,
+        input="a city",
+        text={"format": {"type": "json_schema", "name": "city", "schema": schema, "strict": True}},
+    )
+    assert engine.added[-1].params.grammar
+    assert json.loads(r.output_text) == {"city": "Rome"}
+    assert r.text.format.type == "json_schema"
+
+
+def test_retrieve_list_delete_and_tenants(base_url: str, client: openai.OpenAI) -> None:
+    r = client.responses.create(model=MODEL, input="keep me", metadata={"k": "v"})
+    got = client.responses.retrieve(r.id)
+    assert got.id == r.id and got.output_text == r.output_text and got.metadata == {"k": "v"}
+    [item] = client.responses.input_items.list(r.id).data
+    assert item.type == "message" and item.content[0].text == "keep me"
+    other = openai.OpenAI(
+        base_url=base_url + "/v1",
+        api_key="k",
+        max_retries=0,
+        default_headers={"X-Tenant": "someone-else"},
+    )
+    for attempt in (
+        lambda: other.responses.retrieve(r.id),
+        lambda: other.responses.input_items.list(r.id),
+        lambda: other.responses.delete(r.id),
+        lambda: other.responses.create(model=MODEL, input="x", previous_response_id=r.id),
+    ):
+        with pytest.raises(openai.NotFoundError):
+            attempt()
+    client.responses.delete(r.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(r.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.delete(r.id)
+
+
+def test_store_false_keeps_nothing(client: openai.OpenAI) -> None:
+    r = client.responses.create(model=MODEL, input="forget me", store=False)
+    assert r.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(r.id)
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+        ({"background": True}, "background"),
+        ({"conversation": "conv_1"}, "conversation"),
+        ({"reasoning": {"effort": "high"}}, "reasoning"),
+        ({"input": [{"type": "input_image", "image_url": "x"}]}, "input[0].type"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_file"}]}]},
+            "input[0].content[0].type",
+        ),
+        ({"input": []}, "input"),
+        ({"tool_choice": {"type": "web_search"}}, "tool_choice"),
+        ({"max_output_tokens": 0}, "max_output_tokens"),
+        ({"temperature": 9}, "temperature"),
+        ({"text": {"verbosity": "low"}}, "text.verbosity"),
+    ],
+)
+def test_what_is_refused_is_named(base_url: str, body: dict, param: str) -> None:
+    r = httpx.post(base_url + "/v1/responses", json={"input": "hi", **body}, timeout=10)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_without_a_store(make_config, engine: FakeEngine) -> None:
+    with served(make_config(responses_store="none"), engine) as port:
+        url = f"http://127.0.0.1:{port}/v1/responses"
+        r = httpx.post(url, json={"input": "hi", "previous_response_id": "resp_x"}, timeout=10)
+        assert r.status_code == 400 and "--responses-store none" in r.json()["error"]["message"]
+        kept = httpx.post(url, json={"input": "hi"}, timeout=10).json()
+        assert kept["store"] is False
+        assert httpx.get(f"{url}/{kept['id']}", timeout=10).status_code == 404
+
+
+def test_the_store_outlives_its_process_and_keeps_its_limits(tmp_path) -> None:
+    """A response stored by one store is read by another on the same file (a restarted or
+    second frontend); the byte limit drops the oldest first, the age limit the old."""
+    path = str(tmp_path / "r.sqlite")
+
+    async def run() -> None:
+        first = ResponseStore(path, 30, 10_000)
+        for i in range(3):
+            body = {"id": f"resp_{i}", "created_at": 1e12 + i, "output": [], "pad": "x" * 3000}
+            await first.put("t", body, [{"type": "message", "id": f"m{i}"}])
+        first.close()
+        second = ResponseStore(path, 30, 10_000)
+        kept = await second.get("resp_2", "t")
+        assert kept is not None and kept.context == [{"type": "message", "id": "m2"}]
+        assert await second.get("resp_2", "u") is None
+        await second.put("t", {"id": "resp_3", "created_at": 1e12 + 3, "pad": "x" * 3000}, [])
+        assert await second.get("resp_0", "t") is None  # the oldest, past 10 kB
+        assert await second.get("resp_3", "t") is not None
+        await second.put("t", {"id": "resp_old", "created_at": 1.0}, [])
+        assert await second.get("resp_old", "t") is None  # older than 30 days
+        second.close()
+
+    asyncio.run(run())
