@@ -121,7 +121,8 @@ class App:
             methods = {"GET": self._model}
         if methods is None and req.path.startswith(RESPONSE_PREFIX):
             stored = partial(handle_stored, self.state)
-            methods = {"GET": stored, "DELETE": stored}
+            items = req.path.endswith("/input_items")
+            methods = {"GET": stored} if items else {"GET": stored, "DELETE": stored}
         if methods is None:
             raise ApiError(404, f"no route for {req.path}", code="not_found")
         handler = methods.get(req.method)
