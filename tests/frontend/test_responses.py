@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import Iterator
 
 import httpx
@@ -77,6 +78,23 @@ def test_a_string_and_items_whole(client: openai.OpenAI, engine: FakeEngine) -> 
         assert word in prompt
     assert prompt.index("sys words") < prompt.index("be brief") < prompt.index("three")
     assert r.status == "completed" and r.instructions == "sys words"
+
+
+def test_the_series_and_the_access_line_count_it(client: openai.OpenAI, registry, caplog) -> None:
+    caplog.set_level(logging.INFO, logger="gapless.access")
+    whole = client.responses.create(model=MODEL, input="one two three")
+    events = list(client.responses.create(model=MODEL, input="one two three", stream=True))
+    output_tokens = [whole.usage.output_tokens, events[-1].response.usage.output_tokens]
+    assert registry.get_sample_value("gapless_time_to_first_token_seconds_count") == 2
+    assert registry.get_sample_value("gapless_e2e_request_latency_seconds_count") == 2
+    lines = [
+        rec.fields
+        for rec in caplog.records
+        if rec.name == "gapless.access" and rec.fields["route"] == "/v1/responses"
+    ]
+    assert [line["status"] for line in lines] == [200, 200]
+    assert [line["completion_tokens"] for line in lines] == output_tokens
+    assert all(line["finish_reason"] == "stop" and line["ttft_ms"] is not None for line in lines)
 
 
 def test_streamed_events_and_the_final_response(client: openai.OpenAI) -> None:
