@@ -611,7 +611,8 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         msgspec.Meta(
             description="the SQLite file /v1/responses keeps stored responses in, shared by "
             "every frontend and replica of the host and kept across restarts; left out, "
-            "responses.sqlite in the model cache (~/.cache/gapless); none keeps nothing",
+            "responses.sqlite in the model cache (~/.cache/gapless); a postgresql:// URL keeps "
+            "them in PostgreSQL (the postgres extra); none keeps nothing",
             extra={"metavar": "PATH"},
         ),
     ] = None

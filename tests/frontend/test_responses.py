@@ -13,7 +13,7 @@ import httpx
 import openai
 import pytest
 
-from gapless.frontend.api.responses_store import ResponseStore
+from gapless.frontend.api.responses_store import open_store
 from tests.frontend.conftest import MODEL, served
 from tests.frontend.fake_engine import FakeEngine
 
@@ -258,26 +258,70 @@ def test_without_a_store(make_config, engine: FakeEngine) -> None:
         assert httpx.get(f"{url}/{kept['id']}", timeout=10).status_code == 404
 
 
-def test_the_store_outlives_its_process_and_keeps_its_limits(tmp_path) -> None:
-    """A response stored by one store is read by another on the same file (a restarted or
-    second frontend); the byte limit drops the oldest first, the age limit the old."""
-    path = str(tmp_path / "r.sqlite")
+@pytest.fixture(scope="module")
+def postgres(tmp_path_factory) -> Iterator[object]:
+    """A real PostgreSQL server from the pgserver wheel (skipped only where it does not
+    install), stopped with the module."""
+    pgserver = pytest.importorskip("pgserver")
+    pytest.importorskip("psycopg")
+    server = pgserver.get_server(tmp_path_factory.mktemp("pgdata"), cleanup_mode="stop")
+    yield server
+    server.cleanup()
+
+
+def _database(server, name: str) -> str:
+    """A new, empty database of the server: its URL."""
+    import psycopg
+
+    with psycopg.connect(server.get_uri(), autocommit=True) as admin:
+        admin.execute(f"CREATE DATABASE {name}")
+    return server.get_uri(name)
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def target(request, tmp_path) -> str:
+    if request.param == "sqlite":
+        return str(tmp_path / "r.sqlite")
+    return _database(request.getfixturevalue("postgres"), f"limits_{tmp_path.name[-8:].lower()}")
+
+
+def test_the_store_outlives_its_process_and_keeps_its_limits(target: str, make_config) -> None:
+    """A response stored by one store is read by another on the same file or database (a
+    restarted or second frontend); the byte limit drops the oldest first, the age limit the
+    old; another tenant finds nothing."""
+    config = make_config(responses_store=target, responses_store_bytes=10_000)
 
     async def run() -> None:
-        first = ResponseStore(path, 30, 10_000)
+        first = open_store(config)
         for i in range(3):
             body = {"id": f"resp_{i}", "created_at": 1e12 + i, "output": [], "pad": "x" * 3000}
             await first.put("t", body, [{"type": "message", "id": f"m{i}"}])
         first.close()
-        second = ResponseStore(path, 30, 10_000)
+        second = open_store(config)
         kept = await second.get("resp_2", "t")
         assert kept is not None and kept.context == [{"type": "message", "id": "m2"}]
         assert await second.get("resp_2", "u") is None
+        assert not await second.delete("resp_2", "u")
         await second.put("t", {"id": "resp_3", "created_at": 1e12 + 3, "pad": "x" * 3000}, [])
         assert await second.get("resp_0", "t") is None  # the oldest, past 10 kB
         assert await second.get("resp_3", "t") is not None
         await second.put("t", {"id": "resp_old", "created_at": 1.0}, [])
         assert await second.get("resp_old", "t") is None  # older than 30 days
+        assert await second.delete("resp_3", "t") and await second.get("resp_3", "t") is None
         second.close()
 
     asyncio.run(run())
+
+
+def test_a_postgresql_store_behind_the_app(postgres, make_config, engine: FakeEngine) -> None:
+    """--responses-store postgresql://...: store, continue, list, another tenant's 404."""
+    url = _database(postgres, "app")
+    with served(make_config(responses_store=url), engine) as port:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="k", max_retries=0)
+        first = client.responses.create(model=MODEL, input="red green")
+        follow = client.responses.create(model=MODEL, input="blue", previous_response_id=first.id)
+        items = client.responses.input_items.list(follow.id, order="asc").data
+        assert [it.role for it in items] == ["user", "assistant", "user"]
+        other = client.with_options(default_headers={"X-Tenant": "other"})
+        with pytest.raises(openai.NotFoundError):
+            other.responses.retrieve(first.id)
