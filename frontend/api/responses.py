@@ -21,7 +21,12 @@ from gapless.frontend.api.generation import ChoiceResult, cut_error
 from gapless.frontend.api.openai_fields import RESPONSES_REFUSED, check_fields, struct_fields
 from gapless.frontend.api.params import check_max_tokens, check_model, sampling_fields
 from gapless.frontend.api.prelude import Prelude, Route
-from gapless.frontend.api.protocol import ChatCompletionRequest
+from gapless.frontend.api.protocol import (
+    ChatCompletionRequest,
+    JsonObjectFormat,
+    JsonSchemaFormat,
+    ResponseFormat,
+)
 from gapless.frontend.api.replies import Usage
 from gapless.frontend.api.responses_events import ResponseEvents, output_items
 from gapless.frontend.api.responses_input import (
@@ -37,6 +42,7 @@ from gapless.frontend.api.responses_protocol import ResponsesRequest
 from gapless.frontend.api.responses_store import ResponseStore
 from gapless.frontend.api.state import FrontendState
 from gapless.frontend.api.stream import RequestStream
+from gapless.frontend.api.structured import Grammars
 from gapless.frontend.api.tool_parsers import ToolParser, make_parser
 from gapless.frontend.api.tools import plan_tools, template_messages
 from gapless.frontend.engine.client import StreamCut
@@ -229,7 +235,7 @@ async def handle_responses(
                   "max_output_tokens", None, sampling, tenant, response_id())  # fmt: skip
     prompter = state.prompter
     tools = await plan_tools(chat, prompter.grammars, tenant)
-    grammar = await prompter.grammars.response_format(chat.response_format, tenant)
+    grammar = await _format_grammar(prompter.grammars, chat.response_format, tenant)
     if grammar is not None and tools.grammar is not None:
         raise bad_request(
             "text.format cannot be combined with a required or named tool_choice",
@@ -262,6 +268,23 @@ async def handle_responses(
         pre.admit_tokens(ticket, [prompt_ids])
         job = pre.job(ticket, [prompt_ids], [params])
         await pre.respond(job, _NO_CHUNKS, build, write)
+
+
+async def _format_grammar(
+    grammars: Grammars, fmt: ResponseFormat | None, tenant: str
+) -> str | None:
+    """text.format's grammar, its errors naming text.format (chat's name response_format)."""
+    if isinstance(fmt, JsonObjectFormat):
+        return await grammars.json_schema(
+            {"type": "object"}, strict=True, param="text.format", tenant=tenant
+        )
+    if isinstance(fmt, JsonSchemaFormat):
+        spec = fmt.json_schema
+        schema = {"type": "object"} if spec.schema_ is None else spec.schema_
+        return await grammars.json_schema(
+            schema, strict=bool(spec.strict), param="text.format.schema", tenant=tenant
+        )
+    return None
 
 
 async def _prompt(

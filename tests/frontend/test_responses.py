@@ -240,12 +240,31 @@ def test_store_false_keeps_nothing(client: openai.OpenAI) -> None:
         ({"max_output_tokens": 0}, "max_output_tokens"),
         ({"temperature": 9}, "temperature"),
         ({"text": {"verbosity": "low"}}, "text.verbosity"),
+        (
+            {"text": {"format": {"type": "json_schema", "name": "n", "schema": False}}},
+            "text.format.schema",
+        ),
     ],
 )
 def test_what_is_refused_is_named(base_url: str, body: dict, param: str) -> None:
     r = httpx.post(base_url + "/v1/responses", json={"input": "hi", **body}, timeout=10)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+def test_truncation_auto_drops_the_oldest_messages(base_url: str, engine: FakeEngine) -> None:
+    """A history past the context (256 tokens here) is a 400 naming input unless truncation
+    is auto, which keeps the instructions and the newest messages."""
+    old = [{"role": "user", "content": f"old{i} " + "word " * 60} for i in range(4)]
+    body = {"instructions": "rules", "input": [*old, {"role": "user", "content": "newest"}]}
+    url = base_url + "/v1/responses"
+    r = httpx.post(url, json={**body, "max_output_tokens": 8}, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input", r.text
+    r = httpx.post(url, json={**body, "max_output_tokens": 8, "truncation": "auto"}, timeout=10)
+    assert r.status_code == 200 and r.json()["truncation"] == "auto", r.text
+    prompt = _prompt(engine)
+    assert "rules" in prompt and "newest" in prompt and "old0" not in prompt
+    assert len(engine.added[-1].prompt_token_ids) + 8 <= 256
 
 
 def test_without_a_store(make_config, engine: FakeEngine) -> None:
