@@ -351,13 +351,17 @@ async def _stream(
                 metrics.observer.streamed(time.perf_counter() - received)
                 reason = delta.finish_reason
     except (ApiError, StreamCut) as exc:
-        if isinstance(exc, StreamCut):
+        cut = isinstance(exc, StreamCut)
+        if cut:
             stream.job.stats.finish_reason = "abort"
             exc = cut_error(exc)
         if not out.started:
             raise exc from None
         error = events.event("error", code=exc.code, message=exc.message, param=exc.param)
         failed = events.event("response.failed", response=answer.failed(exc))
+        # a cut (the server is going away) is written past flow control, as chat's is
+        if cut and out.cut_now(error + failed):
+            return
         await out.frames(error + failed)
         await out.end_stream()
         return

@@ -241,6 +241,16 @@ class Responder:
             await self.event(encoder.encode(exc.body()))
             await self.done()
 
+    def cut_now(self, frames: bytes) -> bool:
+        """Cuts a started stream with SSE frames of its own (no [DONE]), written at once past
+        flow control, as `end_now` does; False (nothing written) where that cannot be done."""
+        if self.connection is None or not self.streaming or self.finished:
+            return False
+        if not self.connection.end_now(frames):
+            return False
+        self.finished = True
+        return True
+
     def end_now(self, exc: ApiError, events: Sequence[bytes] = ()) -> bool:
         """Cuts a started stream: `events` (encoded JSON each), the error event and [DONE],
         written at once past flow control (a client that left its stream unread gets them

@@ -51,7 +51,7 @@ def client(base_url: str) -> openai.OpenAI:
 @pytest.fixture(autouse=True)
 def _unscripted(engine: FakeEngine) -> Iterator[None]:
     yield
-    engine.script = None
+    engine.script = engine.finish_with = None
 
 
 def _prompt(engine: FakeEngine) -> str:
@@ -124,6 +124,24 @@ def test_streamed_events_and_the_final_response(client: openai.OpenAI) -> None:
     # the same events through create(stream=True)
     again = list(client.responses.create(model=MODEL, input="alpha beta gamma", stream=True))
     assert [e.type for e in again] == kinds
+
+
+def test_a_failure_mid_stream_is_an_error_event_then_failed(base_url: str, engine) -> None:
+    """After the first token an engine failure ends the stream with `error` and
+    response.failed (no [DONE]); before it, the request keeps its HTTP status."""
+    engine.finish_with, engine.fail_at = "error", 2
+    url, body = base_url + "/v1/responses", {"input": "one two three four", "stream": True}
+    with httpx.stream("POST", url, json=body, timeout=10) as r:
+        text = r.read().decode()
+    data = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: ")]
+    assert [d["type"] for d in data[-2:]] == ["error", "response.failed"]
+    assert data[-2]["code"] == "engine_error" and "[DONE]" not in text
+    failed = data[-1]["response"]
+    assert failed["status"] == "failed" and failed["error"]["code"] == "engine_error"
+    assert [d["sequence_number"] for d in data] == list(range(len(data)))
+    engine.fail_at = 0
+    r = httpx.post(url, json=body, timeout=10)
+    assert r.status_code == 500 and r.json()["error"]["code"] == "engine_error"
 
 
 def test_a_forced_call_then_its_output_continues(client: openai.OpenAI, engine: FakeEngine):
