@@ -128,6 +128,7 @@ def chat_request(body: ResponsesRequest, items: list[Item]) -> ChatCompletionReq
         presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty,
         stop=body.stop,
+        logit_bias=body.logit_bias,
         ignore_eos=body.ignore_eos,
         priority=body.priority,
         cache_salt=body.cache_salt,

@@ -35,7 +35,7 @@ _USAGE = {
 # accepted as on the chat route, and left out of the document (docs/responses.md lists them)
 ENGINE_EXTRAS = (
     "seed", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
-    "stop", "ignore_eos", "priority", "cache_salt",
+    "stop", "logit_bias", "ignore_eos", "priority", "cache_salt",
 )  # fmt: skip
 _PART = {
     "type": "object",

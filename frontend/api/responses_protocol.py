@@ -103,6 +103,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     stop: str | list[str] | None = None
+    logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False
     priority: int | str | None = None
     cache_salt: str | None = None
