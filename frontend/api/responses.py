@@ -347,7 +347,8 @@ async def _stream(
                 if delta is None:  # IDLE: nothing came for keepalive_s
                     await out.comment()
                     continue
-                frames = b"" if out.started else events.opening(answer.head)
+                # why not out.started: a keepalive comment may have started the stream
+                frames = b"" if events.sequence else events.opening(answer.head)
                 await out.frames(frames + events.delta(delta))
                 metrics.observer.streamed(time.perf_counter() - received)
                 reason = delta.finish_reason

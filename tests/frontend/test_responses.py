@@ -52,6 +52,7 @@ def client(base_url: str) -> openai.OpenAI:
 def _unscripted(engine: FakeEngine) -> Iterator[None]:
     yield
     engine.script = engine.finish_with = None
+    engine.delay_s = 0.0
 
 
 def _prompt(engine: FakeEngine) -> str:
@@ -142,6 +143,21 @@ def test_a_failure_mid_stream_is_an_error_event_then_failed(base_url: str, engin
     engine.fail_at = 0
     r = httpx.post(url, json=body, timeout=10)
     assert r.status_code == 500 and r.json()["error"]["code"] == "engine_error"
+
+
+def test_keepalives_before_the_first_token_keep_the_events(make_config, engine) -> None:
+    """A stream that waits past --sse-keepalive has begun with comments; its events still
+    open with response.created, numbered from 0."""
+    engine.delay_s = 0.3
+    with served(make_config(sse_keepalive_s=0.05), engine) as port:
+        body = {"input": "one two", "stream": True, "max_output_tokens": 1}
+        url = f"http://127.0.0.1:{port}/v1/responses"
+        with httpx.stream("POST", url, json=body, timeout=10) as r:
+            text = r.read().decode()
+    assert text.startswith(": keep-alive")
+    data = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: ")]
+    assert data[0]["type"] == "response.created" and data[-1]["type"] == "response.incomplete"
+    assert [d["sequence_number"] for d in data] == list(range(len(data)))
 
 
 def test_a_forced_call_then_its_output_continues(client: openai.OpenAI, engine: FakeEngine):
