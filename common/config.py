@@ -606,6 +606,33 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     admin_keys: Annotated[tuple[str, ...], NOT_A_FLAG] = ()  # those of api_keys marked admin
     # every tenant the keys file or --tenant-weight names; any other weighs 1, priority 0
     tenants: Annotated[dict[str, TenantSpec], NOT_A_FLAG] = {}
+    # stored responses (/v1/responses; docs/responses.md)
+    responses_store: Annotated[
+        str | None,
+        msgspec.Meta(
+            description="the SQLite file /v1/responses keeps stored responses in, shared by "
+            "every frontend and replica of the host and kept across restarts; left out, "
+            "responses.sqlite in the model cache (~/.cache/gapless); a postgresql:// URL keeps "
+            "them in PostgreSQL (the postgres extra); none keeps nothing",
+            extra={"metavar": "PATH"},
+        ),
+    ] = None
+    responses_store_days: Annotated[
+        float,
+        msgspec.Meta(
+            description="stored responses older than this many days are deleted",
+            gt=0,
+            extra={"metavar": "DAYS"},
+        ),
+    ] = 30.0
+    responses_store_bytes: Annotated[
+        int,
+        msgspec.Meta(
+            description="past this size the oldest stored responses are deleted first",
+            ge=1,
+            extra={"parse": "bytes"},
+        ),
+    ] = 2**30
 
     @property
     def num_ranks(self) -> int:

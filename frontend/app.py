@@ -20,6 +20,7 @@ from gapless.frontend.api.completions import handle_completions
 from gapless.frontend.api.embeddings import handle_embeddings
 from gapless.frontend.api.openapi import openapi_document
 from gapless.frontend.api.replies import Health, ModelCard, ModelList
+from gapless.frontend.api.responses import handle_responses, handle_stored
 from gapless.frontend.api.state import FrontendState
 from gapless.frontend.api.utility_routes import handle_detokenize, handle_tokenize, version
 from gapless.frontend.engine.client import EngineDeadError
@@ -46,6 +47,7 @@ Handler = Callable[[HttpRequest, Responder, Caller], Awaitable[None]]
 # --metrics-require-key takes /metrics out (it shows every tenant's name and traffic)
 OPEN_PATHS = frozenset({"/health", "/live", "/metrics"})
 MODEL_PREFIX = "/v1/models/"
+RESPONSE_PREFIX = "/v1/responses/"  # GET and DELETE {id}, GET {id}/input_items
 
 
 class App:
@@ -65,6 +67,7 @@ class App:
             "/v1/completions": {"POST": self._completions},
             "/v1/chat/completions": {"POST": self._chat},
             "/v1/embeddings": {"POST": partial(handle_embeddings, state)},
+            "/v1/responses": {"POST": partial(handle_responses, state)},
             "/v1/models": {"GET": self._models},
             "/health": {"GET": self._health},
             "/live": {"GET": self._live},
@@ -116,6 +119,10 @@ class App:
         methods = self.routes.get(req.path)
         if methods is None and req.path.startswith(MODEL_PREFIX):
             methods = {"GET": self._model}
+        if methods is None and req.path.startswith(RESPONSE_PREFIX):
+            stored = partial(handle_stored, self.state)
+            items = req.path.endswith("/input_items")
+            methods = {"GET": stored} if items else {"GET": stored, "DELETE": stored}
         if methods is None:
             raise ApiError(404, f"no route for {req.path}", code="not_found")
         handler = methods.get(req.method)

@@ -21,6 +21,7 @@ import zmq
 from gapless.common.config import EngineConfig
 from gapless.common.process import ControlReporter, parent_gone, stop_requested
 from gapless.frontend.api.prompts import Prompter
+from gapless.frontend.api.responses_store import open_store
 from gapless.frontend.api.state import FrontendState
 from gapless.frontend.api.structured import Grammars
 from gapless.frontend.app import App
@@ -139,7 +140,8 @@ def build_app(
     # 2 threads: chat templates and tokenizing must not queue behind one long prompt
     executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="frontend-prep")
     prompter = Prompter(tokenizer, config, executor)
-    state = FrontendState(config, engine, prompter, Admission(config, engine))
+    store = open_store(config)
+    state = FrontendState(config, engine, prompter, Admission(config, engine), store)
     return App(state), executor
 
 

@@ -5,8 +5,9 @@ Both endpoints share this; they differ only in how a choice or a chunk is shaped
 
 from __future__ import annotations
 
+import inspect
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import aclosing, contextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -147,20 +148,23 @@ async def respond(
     include_usage: bool,
     fmt: ChunkFormat,
     build: Callable[[list[ChoiceResult], Usage], object],
+    writer: Callable[[RequestStream, Responder], Awaitable[None]] | None = None,
 ) -> None:
     """Streams or answers whole; a client that disconnects first aborts the engine requests,
     and so does one that stops reading its stream (SlowReaderWatch), whose stream then ends
-    with an error event."""
+    with an error event. `writer`, given, writes the stream in place of `sse` (its own events
+    and ending); `build` may return an awaitable of the body."""
     stream = RequestStream(state.engine, job, partial(failure, admission=state.admission))
     try:
         with engine_errors(job):
             if streaming:
                 keepalive_s = state.config.sse_keepalive_s
-                await unless_disconnected(
-                    req.receive,
-                    sse(stream, out, fmt, include_usage, keepalive_s),
-                    _watch(state, stream, req, out),
+                writing = (
+                    sse(stream, out, fmt, include_usage, keepalive_s)
+                    if writer is None
+                    else writer(stream, out)
                 )
+                await unless_disconnected(req.receive, writing, _watch(state, stream, req, out))
                 return
             choices = await unless_disconnected(req.receive, collect(stream))
     except SlowReader as slow:
@@ -170,7 +174,10 @@ async def respond(
         job.stats.finish_reason = "abort"
         out.end_now(slow.error())
         raise ClientGone from None
-    await out.json(200, build(choices, stream.usage()))
+    body = build(choices, stream.usage())
+    if inspect.isawaitable(body):
+        body = await body
+    await out.json(200, body)
 
 
 @contextmanager

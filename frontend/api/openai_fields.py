@@ -32,6 +32,7 @@ HARMLESS = frozenset(
         "prompt_cache_options",
         "prompt_cache_retention",
         "safety_identifier",
+        "max_tool_calls",  # responses: counts built-in tool calls, and there are none
     }
 )
 
@@ -70,6 +71,23 @@ CHAT_REFUSED: dict[str, Rule] = {
     "reasoning_effort": _set("the served model does not take a reasoning effort"),
     "verbosity": _set("verbosity is not supported"),
     "web_search_options": _set("web search is not supported"),
+}
+
+
+def _true(what: str) -> Rule:
+    """Refused when true."""
+    return lambda value, body: what if value else None
+
+
+RESPONSES_REFUSED: dict[str, Rule] = {
+    "access_programs": _set("access programs are not supported"),
+    "background": _true("background responses are not supported"),
+    "background_options": _set("background responses are not supported"),
+    "context_management": _set("context management (compaction) is not supported"),
+    "conversation": _set("conversations are not supported; use previous_response_id"),
+    "image": _set("image generation is not supported"),
+    "moderation": _set("moderation is not supported"),
+    "prompt": _set("stored prompt templates are not supported"),
 }
 
 COMPLETION_REFUSED: dict[str, Rule] = {

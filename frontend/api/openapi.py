@@ -33,6 +33,7 @@ from gapless.common.sampling_ranges import (
     max_tokens_range,
     n_range,
 )
+from gapless.frontend.api import responses_openapi
 from gapless.frontend.api.embeddings import EMBEDDINGS_PATH, embedding_rules, embedding_types
 from gapless.frontend.api.params import MAX_CACHE_SALT_CHARS, MAX_LOGIT_BIAS
 from gapless.frontend.api.protocol import ChatCompletionRequest, CompletionRequest
@@ -44,6 +45,7 @@ from gapless.frontend.api.replies import (
     ModelCard,
     ModelList,
 )
+from gapless.frontend.api.responses_protocol import ResponsesRequest
 from gapless.frontend.api.utility_routes import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -262,6 +264,7 @@ def _request_rules(components: dict[str, Any], config: EngineConfig) -> None:
     ]
     components["DetokenizeRequest"]["properties"]["tokens"] = _token_ids(config)
     embedding_rules(components["EmbeddingRequest"], _token_ids(config), config)
+    responses_openapi.request_rules(components["ResponsesRequest"], ranges, _constrain)
     for field in ("user", "priority"):
         _constrain(components["EmbeddingRequest"]["properties"][field], ranges[field])
 
@@ -290,6 +293,7 @@ OPERATION_IDS = {
     "/health": "health",
     "/live": "live",
     "/openapi.json": "openapi",
+    **responses_openapi.OPERATION_IDS,
 }
 
 
@@ -326,8 +330,10 @@ def openapi_document(
         DetokenizeResponse,
         Version,
         *embedding_types(),
+        ResponsesRequest,
     ]
     _, components = msgspec.json.schema_components(types, ref_template=_REF)
+    components.update(responses_openapi.components())
     _stream_chunks(components)
     if config is not None:
         _request_rules(components, config)
@@ -383,6 +389,7 @@ def openapi_document(
             EMBEDDINGS_PATH: _post(
                 "EmbeddingRequest", "EmbeddingList", "embeddings", 400, 401, 404, 413, 429, 500, 503
             ),
+            **responses_openapi.paths(_ref, _errors),
             "/v1/models": _get("ModelList", "the served model", 401),
             "/v1/models/{model}": model,
             "/tokenize": _post(

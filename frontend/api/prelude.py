@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -37,7 +37,7 @@ from gapless.frontend.api.params import (
 from gapless.frontend.api.protocol import ChatCompletionRequest, CompletionRequest
 from gapless.frontend.api.replies import Usage
 from gapless.frontend.api.state import FrontendState
-from gapless.frontend.api.stream import ChunkFormat, Job
+from gapless.frontend.api.stream import ChunkFormat, Job, RequestStream
 from gapless.frontend.engine.queue_view import Ticket
 from gapless.frontend.engine.tenants import Caller, cache_scope_of, priority_of, tenant_of
 from gapless.frontend.http.asgi import HttpRequest, Responder
@@ -195,8 +195,10 @@ class Prelude(Generic[B]):
         job: Job,
         fmt: ChunkFormat,
         build: Callable[[list[ChoiceResult], Usage], object],
+        writer: Callable[[RequestStream, Responder], Awaitable[None]] | None = None,
     ) -> None:
-        """Streams the answer as `fmt` shapes its chunks, or answers whole with `build`."""
+        """Streams the answer as `fmt` shapes its chunks (or as `writer` writes it), or
+        answers whole with `build`."""
         body = self.body
         await respond(
             self.state,
@@ -207,4 +209,5 @@ class Prelude(Generic[B]):
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
             fmt=fmt,
             build=build,
+            writer=writer,
         )

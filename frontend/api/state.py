@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from gapless.common.config import EngineConfig
 from gapless.frontend.api.prompts import Prompter
+from gapless.frontend.api.responses_store import ResponseStore
 from gapless.frontend.engine.admission import Admission
 from gapless.frontend.engine.client import EngineClient
 
@@ -16,3 +17,4 @@ class FrontendState:
     engine: EngineClient
     prompter: Prompter
     admission: Admission
+    responses: ResponseStore | None = None  # stored responses; None: kept nowhere

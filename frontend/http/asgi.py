@@ -196,6 +196,17 @@ class Responder:
         self.sent_events += 1
         return True
 
+    async def frames(self, data: bytes) -> None:
+        """SSE events already framed (`event:` and `data:` lines each)."""
+        await self._stream_write(data)
+
+    async def end_stream(self) -> None:
+        """The end of a stream that closes without [DONE] (the Responses API's)."""
+        if not self.started:
+            await self._start_stream()
+        self.finished = True
+        await self._send({"type": "http.response.body", "body": b""})
+
     async def comment(self) -> None:
         """An SSE comment, which clients ignore: it keeps proxies from cutting a quiet stream."""
         await self._stream_write(_KEEPALIVE)
@@ -229,6 +240,16 @@ class Responder:
         elif self.streaming:
             await self.event(encoder.encode(exc.body()))
             await self.done()
+
+    def cut_now(self, frames: bytes) -> bool:
+        """Cuts a started stream with SSE frames of its own (no [DONE]), written at once past
+        flow control, as `end_now` does; False (nothing written) where that cannot be done."""
+        if self.connection is None or not self.streaming or self.finished:
+            return False
+        if not self.connection.end_now(frames):
+            return False
+        self.finished = True
+        return True
 
     def end_now(self, exc: ApiError, events: Sequence[bytes] = ()) -> bool:
         """Cuts a started stream: `events` (encoded JSON each), the error event and [DONE],

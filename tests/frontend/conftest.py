@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry
 from gapless.common.config import EngineConfig, ModelInfo
 from gapless.common.metrics import FrontendMetrics
 from gapless.frontend.api.prompts import Prompter
+from gapless.frontend.api.responses_store import open_store
 from gapless.frontend.api.state import FrontendState
 from gapless.frontend.app import App
 from gapless.frontend.engine.admission import Admission
@@ -102,8 +103,11 @@ def engine(hf_tokenizer: tuple[tokenizers.Tokenizer, str]) -> FakeEngine:
 
 
 def build_app(config: EngineConfig, engine: FakeEngine) -> App:
+    """The app over the fake engine; it keeps responses only where the config names a store
+    (never the default file in the model cache)."""
     prompter = Prompter(engine.tokenizer, config)
-    return App(FrontendState(config, engine, prompter, Admission(config, engine)))
+    store = open_store(config) if config.responses_store else None
+    return App(FrontendState(config, engine, prompter, Admission(config, engine), store))
 
 
 @pytest.fixture

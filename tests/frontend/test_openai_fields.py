@@ -8,14 +8,17 @@ import httpx
 import pytest
 from openai.types import completion_create_params
 from openai.types.chat import completion_create_params as chat_create_params
+from openai.types.responses import response_create_params
 
 from gapless.frontend.api.openai_fields import (
     CHAT_REFUSED,
     COMPLETION_REFUSED,
     HARMLESS,
+    RESPONSES_REFUSED,
     struct_fields,
 )
 from gapless.frontend.api.protocol import ChatCompletionRequest, CompletionRequest
+from gapless.frontend.api.responses_protocol import ResponsesRequest
 from tests.frontend.conftest import sse_events
 
 pytestmark = pytest.mark.anyio
@@ -31,6 +34,7 @@ USER = [{"role": "user", "content": "one two three"}]
             CompletionRequest,
             COMPLETION_REFUSED,
         ),
+        (response_create_params.ResponseCreateParamsBase, ResponsesRequest, RESPONSES_REFUSED),
     ],
 )
 def test_every_field_of_the_pinned_openai_types_has_a_rule(openai_type, schema, refused) -> None:

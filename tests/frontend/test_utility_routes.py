@@ -61,8 +61,11 @@ async def test_every_route_is_documented_and_needs_the_key(make_config, engine) 
         paths = set(
             (await c.get("/openapi.json", headers={"authorization": "Bearer k"})).json()["paths"]
         )
-        routes = set(app.routes) | {"/v1/models/{model}"}
+        stored = {"/v1/responses/{response_id}", "/v1/responses/{response_id}/input_items"}
+        routes = set(app.routes) | {"/v1/models/{model}"} | stored
         assert routes == paths
+        for path in ("/v1/responses/resp_x", "/v1/responses/resp_x/input_items"):
+            assert (await c.get(path)).status_code == 401
         for path in ("/tokenize", "/detokenize"):
             assert (await c.post(path, json={})).status_code == 401
         for path in ("/version", f"/v1/models/{MODEL}", "/openapi.json"):

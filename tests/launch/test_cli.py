@@ -99,6 +99,9 @@ FLAGS = {
     "--log-format {text,json}": "text",
     "--stats-interval S": "10.0",
     "--api-keys-file FILE": None,
+    "--responses-store PATH": None,
+    "--responses-store-days DAYS": "30.0",
+    "--responses-store-bytes RESPONSES_STORE_BYTES": "1GiB",
     "--tenant-weight NAME=W": "every tenant weighs 1",
     "--speculative-config JSON": None,
 }
