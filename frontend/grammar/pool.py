@@ -87,7 +87,10 @@ class _Slot:
 
     def submit(self, grammar: str) -> Future[str]:
         future: Future[str] = Future()
-        self._put((grammar, future))
+        if self.closed:  # the thread has ended or will at the sentinel: nothing would answer
+            future.set_exception(Unavailable("the server is shutting down"))
+        else:
+            self._put((grammar, future))
         return future
 
     def warm(self) -> None:
@@ -131,6 +134,10 @@ class _Slot:
             if not self.closed:  # a killed worker is replaced before the next compile comes
                 self._try_spawn()
         self._discard()
+        while not self._jobs.empty():  # what came after the sentinel ends, unanswered no more
+            job = self._jobs.get_nowait()
+            if isinstance(job, tuple) and job[1].set_running_or_notify_cancel():
+                job[1].set_exception(Unavailable("the server is shutting down"))
 
     def _try_spawn(self) -> None:
         try:

@@ -109,3 +109,6 @@ async def test_places_in_line_are_shared_and_a_new_tenant_always_finds_one(init)
         pool.close()
         for task in [running, *waiting]:
             task.cancel()
+        # each one ends (a compile that got its worker as it was cancelled, with Unavailable)
+        # and is read here, not left to the collector to report as never retrieved
+        await asyncio.wait_for(asyncio.gather(running, *waiting, return_exceptions=True), 10)
