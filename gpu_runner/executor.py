@@ -40,6 +40,7 @@ from gapless.gpu_runner.device import DeviceParts
 from gapless.gpu_runner.graph import DecodeGraphs, capture_sizes
 from gapless.gpu_runner.kv_cache import KVCache, make_kv_cache
 from gapless.gpu_runner.model import CausalLM
+from gapless.gpu_runner.model.projection import StepContext
 from gapless.gpu_runner.pooling import Pooler, embedding_bytes
 from gapless.gpu_runner.sampling.grammar import GrammarRows
 from gapless.gpu_runner.sampling.logprobs import SampleOutput, row_logprobs
@@ -270,9 +271,14 @@ class StepExecutor:
         input_ids = torch.where(fed >= 0, fed, from_device)  # [rows] long
         positions = self.batch.column(POSITIONS, num_rows)
         logit_rows = self.batch.column(LOGIT_ROWS, num_rows if num_logits is None else num_logits)
+        ctx = self.step_context(num_rows)
         return self.model(
-            input_ids, positions, self.kv_cache, meta, logit_rows, run_layers, pool_rows
+            input_ids, positions, self.kv_cache, meta, logit_rows, run_layers, pool_rows, ctx
         )
+
+    def step_context(self, num_rows: int) -> StepContext:
+        """The layers' per-token context of the first num_rows rows of the static table."""
+        return StepContext(slots=self.batch.column(TOK_SLOT, num_rows))
 
     def run_model(self, inp: StepInputs, meta: AttentionMeta) -> torch.Tensor:
         """[B_s + P, vocab] float32 logits of the sampling entries in entry order, then of the
