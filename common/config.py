@@ -605,6 +605,18 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     admin_keys: Annotated[tuple[str, ...], NOT_A_FLAG] = ()  # those of api_keys marked admin
     # every tenant the keys file or --tenant-weight names; any other weighs 1, priority 0
     tenants: Annotated[dict[str, TenantSpec], NOT_A_FLAG] = {}
+    # LoRA adapters (docs/lora.md); vLLM's flag names
+    enable_lora: Annotated[
+        bool, msgspec.Meta(description="serve LoRA adapters (implied by --lora-modules)")
+    ] = False
+    lora_modules: Annotated[dict[str, str], NOT_A_FLAG] = {}  # name -> peft directory
+    max_loras: Annotated[
+        int, msgspec.Meta(description="LoRA adapters resident at once (at least those of "
+                          "--lora-modules)", ge=1)
+    ] = 1  # fmt: skip
+    max_lora_rank: Annotated[
+        int, msgspec.Meta(description="highest rank of an adapter's projection", ge=1, le=256)
+    ] = 16
 
     @property
     def num_ranks(self) -> int:

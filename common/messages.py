@@ -83,6 +83,7 @@ class AddRequest(_Msg):
     block_hashes: list[bytes] = []
     # OpenAI's Predicted Outputs: the predicted text's ids, drafts the runner verifies
     prediction: list[int] = []
+    lora: str = ""  # the LoRA adapter the request runs with; "": the base model
 
 
 class Abort(_Msg):
@@ -146,6 +147,7 @@ class NewSlot(_Msg):
     # a drafting slot is also sent its cached_ids, which the n-gram lookup reads
     draft_method: str = ""
     prediction: list[int] = []
+    lora: str = ""  # the LoRA adapter its rows run with; "": the base model
 
 
 class StepPlan(_Msg):

@@ -13,7 +13,7 @@ StepContext holds columns of the step's token table, one entry per token row."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -30,6 +30,8 @@ class StepContext:
     # [T] long: each row's adapter in the step's stack (0: the base, no adapter); None where
     # the step has no adapter rows
     adapters: torch.Tensor | None = None
+    # (adapter, [n] long: its rows) for each adapter the step uses, the base left out
+    groups: list[tuple[int, torch.Tensor]] = field(default_factory=list)
 
 
 def projection(in_features: int, out_features: int, bias: bool) -> nn.Module:

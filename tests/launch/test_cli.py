@@ -100,6 +100,9 @@ FLAGS = {
     "--stats-interval S": "10.0",
     "--api-keys-file FILE": None,
     "--tenant-weight NAME=W": "every tenant weighs 1",
+    "--enable-lora": "off",
+    "--max-loras MAX_LORAS": "1",
+    "--max-lora-rank MAX_LORA_RANK": "16",
 }
 WIDE = "1000"  # columns, so no help line wraps
 
