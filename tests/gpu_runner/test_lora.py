@@ -96,3 +96,55 @@ def test_a_mixed_batch_equals_each_request_alone(family):
         assert mixed.outputs[rid] == alone.outputs[rid], rid
         torch.testing.assert_close(torch.tensor(mixed.logprobs[rid]),
                                    torch.tensor(alone.logprobs[rid]), atol=1e-5, rtol=0)  # fmt: skip
+
+
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+@pytest.mark.parametrize("family", ["llama"], indirect=True)
+def test_a_quantized_base_keeps_the_adapter_as_close_as_itself(family, mode, tmp_path):
+    """(quantized base + adapter) is as near (float32 base + adapter) as the quantized base is
+    to the float32 base, by the quantization tests' measure (the logits' cosine), averaged over
+    the prompt's positions: the worst position alone moves several times over between prompts.
+    The adapter is the plain one with B a tenth as large: the exactness adapters are outsized
+    on purpose (B A several times the base's weights, so greedy tokens change), where the
+    base's rounding errors then weigh several times more; a trained adapter moves the weights
+    by a fraction of themselves."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from gapless.common.model_files import load_arch, resolve_model
+    from gapless.gpu_runner.cpu.quant import quantize_model
+    from gapless.gpu_runner.lora.adapter import load_adapter
+    from gapless.gpu_runner.lora.stack import LoraStack
+    from gapless.gpu_runner.model import CausalLM
+    from gapless.gpu_runner.model.projection import StepContext
+    from gapless.gpu_runner.model.weights import load_weights
+    from tests.gpu_runner.test_families import _logits
+
+    _, model_dir, dirs, prompts, _ = family
+    info = resolve_model(str(model_dir))
+    arch = load_arch(info)
+    ids = torch.tensor(prompts[1])
+    rows = torch.arange(len(ids))
+    ctx = StepContext(rows * 0, rows * 0 + 1, [(1, rows)])  # every row: adapter 1
+    small = tmp_path / "small"
+    shutil.copytree(dirs["plain"], small)
+    weights = load_file(small / "adapter_model.safetensors")
+    save_file({k: v / 10 if ".lora_B." in k else v for k, v in weights.items()},
+              small / "adapter_model.safetensors")  # fmt: skip
+    logits = {}
+    for quantization in ("none", mode):
+        model = CausalLM(arch)
+        model.load(load_weights(info, arch, torch.float32))
+        quantize_model(model, quantization, info.path, arch)
+        model.eval()
+        logits[quantization, False] = _logits(model, arch, ids)
+        LoraStack(model, arch, 1, 16, 4).add(load_adapter("a", small, arch))
+        logits[quantization, True] = _logits(model, arch, ids, ctx)
+    assert not torch.allclose(logits["none", False], logits["none", True], atol=0.01)
+
+    def gap(adapter: bool) -> float:
+        dense, quant = logits["none", adapter], logits[mode, adapter]
+        return 1 - torch.nn.functional.cosine_similarity(dense, quant, dim=-1).mean().item()
+
+    assert gap(True) <= max(2 * gap(False), 1e-6), (gap(True), gap(False))
