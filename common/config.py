@@ -74,6 +74,7 @@ class TenantSpec(msgspec.Struct, frozen=True, kw_only=True):
     # its prompts' KV goes to the one prefix-cache pool that every sharing tenant reads, so each
     # of them can learn what the others sent (by cached_tokens or timing)
     share_prefix_cache: bool = False
+    lora_adapters: tuple[str, ...] = ()  # the LoRA adapters it may name (with a keys file)
 
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):

@@ -24,6 +24,7 @@ from gapless.common.config import (
 )
 from gapless.gpu_runner.sim.profiles import list_profiles
 from gapless.launch.keys_file import KeysFile, read_keys_file
+from gapless.launch.lora_args import add_lora_args, with_lora
 
 # why: the config reaches every process in one environment variable, which Linux caps at
 # 128 KiB (MAX_ARG_STRLEN), name included
@@ -183,6 +184,7 @@ def add_serve_args(p: argparse.ArgumentParser, cls: type[EngineConfig] = EngineC
         help="the tenant NAME gets W times the fair share of a tenant of weight 1; repeat it for "
         "more tenants; overrides the keys file's weight (default: every tenant weighs 1)",
     )
+    add_lora_args(p)
 
 
 def check_tensor_parallel(config: EngineConfig) -> None:
@@ -257,6 +259,7 @@ def config_from_args(
         tenants=tenants,
         **flags,
     )
+    config = with_lora(config, args.lora_modules)
     check_tensor_parallel(config)
     check_data_parallel(config)
     size = len(encode_config(config).encode())

@@ -54,3 +54,15 @@ def scores(model, prompt: list[int], output: list[int]) -> tuple[list[int], list
     logprobs = logits.log_softmax(-1)
     chosen = logprobs.argmax(-1).tolist()
     return chosen, logprobs[torch.arange(len(output)), torch.tensor(output)].tolist()
+
+
+def greedy(model, prompt: list[int], new_tokens: int) -> tuple[list[int], list[float]]:
+    """transformers' greedy tokens after prompt (generate) and each one's logprob."""
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False,
+            eos_token_id=None, pad_token_id=0, output_logits=True, return_dict_in_generate=True,
+        )  # fmt: skip
+    new = out.sequences[0, len(prompt) :].tolist()
+    steps = torch.cat(out.logits).float().log_softmax(-1)
+    return new, steps[torch.arange(len(new)), new].tolist()
