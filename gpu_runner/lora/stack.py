@@ -7,9 +7,10 @@ Stack index 0 is the base (no adapter); adapters take 1..max_loras. A fused proj
 adapter leaves out adds zeros. The scale is folded into B. Adapters stay in float32 whatever
 the base's dtype or quantization.
 
-A step's rows are grouped by adapter on the host (the plan's slots); each projection adds
-(x_rows A^T) B^T to its base output for each group, so base rows cost nothing and a step
-without adapter rows calls the base projections alone.
+A step with adapter rows runs every row through the A of each entry in the span of entries it
+uses (one contiguous view, one product), keeps each row's own entry's columns (a mask made once
+a step per rank) and adds that times B^T: two products a projection, however many adapters
+the step mixes. A step without adapter rows calls the base projections alone.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from gapless.gpu_runner.model.projection import StepContext, wrap_projections
 
 
 class LoraProjection(nn.Module):
-    """base(x) plus, for each adapter of the step, its rows' low-rank term."""
+    """base(x) plus each row's adapter's low-rank term (none for base rows)."""
 
     def __init__(self, base: nn.Module, parts: list[tuple[str, int]], in_features: int,
                  stack: int, max_rank: int) -> None:  # fmt: skip
@@ -34,31 +35,36 @@ class LoraProjection(nn.Module):
         self.parts = parts  # (part's name suffix, its output rows), in row order
         out = sum(n for _, n in parts)
         rank = max_rank * len(parts)
-        self.max_rank = max_rank
-        self.register_buffer("a", torch.zeros(stack, rank, in_features))  # [S, R, in] float32
-        self.register_buffer("b", torch.zeros(stack, out, rank))  # [S, out, R] float32, scaled
+        self.part_rank = max_rank  # columns of each part in an entry
+        self.rank = rank  # columns each stack entry takes
+        # entry i's pair is rows i*rank..(i+1)*rank of both, so the entries lo..hi that a step
+        # uses are one contiguous view
+        self.register_buffer("a", torch.zeros(stack * rank, in_features))  # [S*R, in] float32
+        self.register_buffer("b", torch.zeros(stack * rank, out))  # [S*R, out] float32, B^T scaled
 
     def set(self, index: int, pairs: list) -> None:
         """Stack entry index from each part's LoraWeights (None: the adapter leaves it out)."""
-        self.a[index].zero_()
-        self.b[index].zero_()
+        top = index * self.rank
+        a, b = self.a[top : top + self.rank], self.b[top : top + self.rank]
+        a.zero_()
+        b.zero_()
         row = 0
         for p, ((_, n), w) in enumerate(zip(self.parts, pairs, strict=True)):
             if w is not None:
-                r, at = w.a.shape[0], p * self.max_rank
-                self.a[index, at : at + r] = w.a
-                self.b[index, row : row + n, at : at + r] = w.b * w.scale
+                r, at = w.a.shape[0], p * self.part_rank
+                a[at : at + r] = w.a
+                b[at : at + r, row : row + n] = (w.b * w.scale).T
             row += n
 
     def forward(self, x: torch.Tensor, ctx: StepContext | None = None) -> torch.Tensor:
         y = self.base(x)
         if ctx is None or ctx.adapters is None:
             return y
-        for index, rows in ctx.groups:
-            h = x.index_select(0, rows).float()  # [n, in]
-            delta = (h @ self.a[index].T) @ self.b[index].T  # [n, out] float32
-            y = y.index_add(0, rows, delta.to(y.dtype))
-        return y
+        lo, hi = ctx.span  # the entries the step uses, contiguous
+        cols = slice(lo * self.rank, (hi + 1) * self.rank)
+        h = x.float() @ self.a[cols].T  # [T, span * R]: every row through every used entry
+        h = h * ctx.lora_mask(self.rank)  # each row keeps its own entry's columns (base: none)
+        return y + (h @ self.b[cols]).to(y.dtype)
 
 
 class LoraStack:
@@ -122,8 +128,7 @@ class LoraStack:
         if not used:
             return StepContext(slots)
         adapters = self.slot_adapter_t.to(slots.device)[slots]  # [T] long
-        groups = [(i, torch.nonzero(adapters == i).squeeze(1)) for i in used]
-        return StepContext(slots, adapters, groups)
+        return StepContext(slots, adapters, span=(used[0], used[-1]))
 
 
 def _in_features(owner: nn.Module, leaf: str, arch) -> int:

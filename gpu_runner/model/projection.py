@@ -30,8 +30,20 @@ class StepContext:
     # [T] long: each row's adapter in the step's stack (0: the base, no adapter); None where
     # the step has no adapter rows
     adapters: torch.Tensor | None = None
-    # (adapter, [n] long: its rows) for each adapter the step uses, the base left out
-    groups: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    # the first and last stack entries the step's adapter rows use
+    span: tuple[int, int] = (0, 0)
+    _masks: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    def lora_mask(self, rank: int) -> torch.Tensor:
+        """[T, span * rank] float32: 1 where the column belongs to the row's adapter (each
+        entry of the span takes `rank` columns), made once a step for each rank."""
+        mask = self._masks.get(rank)
+        if mask is None:
+            assert self.adapters is not None
+            lo, hi = self.span
+            owner = torch.arange(lo, hi + 1, device=self.adapters.device).repeat_interleave(rank)
+            mask = self._masks[rank] = (self.adapters[:, None] == owner[None, :]).float()
+        return mask
 
 
 def projection(in_features: int, out_features: int, bias: bool) -> nn.Module:

@@ -85,8 +85,9 @@ def test_a_mixed_batch_equals_each_request_alone(family):
     """Four adapters and the base in one batch give each request what it gets alone."""
     _, model_dir, dirs, prompts, refs = family
     requests = _requests(refs, prompts[:1])
-    mixed = _run(model_dir, dirs, requests, _greedy("llama"))
-    alone = _run(model_dir, dirs, requests, _greedy("llama"), apart=NEW_TOKENS + 8)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=0)
+    mixed = _run(model_dir, dirs, requests, params)
+    alone = _run(model_dir, dirs, requests, params, apart=params.max_tokens + 8)
     assert mixed.steps < alone.steps / 3, "the mixed run's steps hold several requests"
     for rid in alone.outputs:  # the alone run's: each request's steps after the last's
         first, last = alone.token_steps[rid][0], alone.token_steps[rid][-1]
@@ -126,7 +127,7 @@ def test_a_quantized_base_keeps_the_adapter_as_close_as_itself(family, mode, tmp
     arch = load_arch(info)
     ids = torch.tensor(prompts[1])
     rows = torch.arange(len(ids))
-    ctx = StepContext(rows * 0, rows * 0 + 1, [(1, rows)])  # every row: adapter 1
+    ctx = StepContext(rows * 0, rows * 0 + 1, span=(1, 1))  # every row: adapter 1
     small = tmp_path / "small"
     shutil.copytree(dirs["plain"], small)
     weights = load_file(small / "adapter_model.safetensors")
@@ -148,3 +149,25 @@ def test_a_quantized_base_keeps_the_adapter_as_close_as_itself(family, mode, tmp
         return 1 - torch.nn.functional.cosine_similarity(dense, quant, dim=-1).mean().item()
 
     assert gap(True) <= max(2 * gap(False), 1e-6), (gap(True), gap(False))
+
+
+@pytest.mark.parametrize("family", ["llama"], indirect=True)
+def test_base_requests_pay_nothing_and_the_cache_keeps_adapters_apart(family):
+    """With adapters loaded, base requests give exactly what a server without them gives (the
+    same calls: no step of theirs has adapter rows); a prompt cached under one adapter (or the
+    base) is a hit for that adapter only."""
+    _, model_dir, dirs, prompts, _ = family
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0)
+    plain = Recorder(make_config(model_dir))
+    plain.run({0: [("b", prompts[1], params)]})
+    h = Recorder(make_config(model_dir, lora_modules={k: str(v) for k, v in dirs.items()}))
+    p = prompts[1]  # 23 tokens: one full 16-token block to cache
+    h.run({0: [("b", p, params)]})
+    assert h.outputs["b"] == plain.outputs["b"] and h.logprobs["b"] == plain.logprobs["b"]
+    h.run({h.steps: [("plain", p, params, "", 0, None, "plain")]})
+    h.run({h.steps: [("rslora", p, params, "", 0, None, "rslora")]})
+    h.run({h.steps: [("plain-again", p, params, "", 0, None, "plain")]})
+    h.run({h.steps: [("b-again", p, params)]})
+    assert h.cached["plain"] == h.cached["rslora"] == 0
+    assert h.cached["plain-again"] == h.cached["b-again"] == 16
+    assert h.outputs["plain-again"] == h.outputs["plain"] != h.outputs["b"]
