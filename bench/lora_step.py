@@ -22,9 +22,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-from safetensors.torch import save_file
-
 from gapless.bench.cpu_step import Streams, runner_config
 from gapless.gpu_runner.cpu.threads import set_wait_policy
 
@@ -33,6 +30,9 @@ PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_p
 
 def write_adapter(out: Path, arch, rank: int, seed: int) -> None:
     """A random peft adapter of rank `rank` on every projection of arch's layers."""
+    import torch
+    from safetensors.torch import save_file
+
     gen = torch.Generator().manual_seed(seed)
     h, i = arch.hidden_size, arch.intermediate_size
     q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
@@ -102,13 +102,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--adapters", type=int, nargs="+", default=[0, 1, 4, 8],
                    help="distinct adapters among the streams, one condition each")  # fmt: skip
     args = p.parse_args(ours)
+    config = runner_config(serve_args, args.batch, args.prompt)
+    set_wait_policy(config.cpu_wait)  # as the runner process does, before torch loads
     import msgspec
 
     from gapless.common.model_files import load_arch
     from gapless.gpu_runner.cpu.backend import CpuBackend
 
-    config = runner_config(serve_args, args.batch, args.prompt)
-    set_wait_policy(config.cpu_wait)
     arch = load_arch(config.model)
     loaded = max(args.adapters)
     with tempfile.TemporaryDirectory() as tmp:
