@@ -171,3 +171,28 @@ def test_base_requests_pay_nothing_and_the_cache_keeps_adapters_apart(family):
     assert h.cached["plain"] == h.cached["rslora"] == 0
     assert h.cached["plain-again"] == h.cached["b-again"] == 16
     assert h.outputs["plain-again"] == h.outputs["plain"] != h.outputs["b"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama"], indirect=True)
+def test_the_compiled_step_runs_base_steps_and_leaves_adapter_steps_eager(family):
+    """With --compile, steps with adapter rows run eagerly and the others through the compiled
+    layers; every request gets what the eager runner gives it."""
+    _, model_dir, dirs, prompts, refs = family
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=0)
+    requests = _requests({"": None, "plain": None, "rslora": None}, prompts[:1])
+    requests.append(("late-base", "", prompts[1]))  # alone at the end: base-only steps
+    runs = []
+    for compile_ in (False, True):
+        lora = {k: str(dirs[k]) for k in ("plain", "rslora")}
+        h = Recorder(make_config(model_dir, compile=compile_, lora_modules=lora, max_loras=2))
+        h.run({k if rid != "late-base" else 60: [(rid, p, params, "", 0, None, a)]
+               for k, (rid, a, p) in enumerate(requests)})  # fmt: skip
+        runs.append(h)
+    eager, compiled = runs
+    layers = compiled.backend.graphs.forward.keywords["run_layers"]
+    assert compiled.backend.compiled and layers.num_graphs > 0 and layers.num_replayed > 0
+    assert compiled.outputs == eager.outputs
+    for rid in eager.outputs:
+        torch.testing.assert_close(torch.tensor(compiled.logprobs[rid]),
+                                   torch.tensor(eager.logprobs[rid]), atol=1e-4, rtol=0)  # fmt: skip
