@@ -141,3 +141,22 @@ def test_only_safetensors_are_read(adapter_dir, arch, tmp_path):
     (path / "adapter_config.json").write_text("[1]")
     with pytest.raises(AdapterError, match="not a JSON object"):
         load_adapter("a", path, arch)
+
+
+def test_phi3_takes_its_joined_projections_only(tmp_path, tiny_model_dir, adapter_dir):
+    """Phi-3's checkpoints join q/k/v and gate/up: an adapter on its separate parts names
+    layers it does not have."""
+    from tests.family_models import build
+
+    build("phi3", tmp_path / "phi3", tiny_model_dir)
+    phi3 = load_arch(resolve_model(str(tmp_path / "phi3")))
+    with pytest.raises(AdapterError, match="not a projection of this phi3 model"):
+        load_adapter("a", adapter_dir, phi3)
+    path = _copy(adapter_dir, tmp_path)
+    qkv = phi3.num_heads * phi3.head_dim + 2 * phi3.num_kv_heads * phi3.head_dim
+    key = "base_model.model.model.layers.0.self_attn.qkv_proj"
+    save_file({f"{key}.lora_A.weight": torch.ones(8, phi3.hidden_size),
+               f"{key}.lora_B.weight": torch.ones(qkv, 8)},
+              path / "adapter_model.safetensors")  # fmt: skip
+    a = load_adapter("a", path, phi3)
+    assert list(a.modules) == ["model.layers.0.self_attn.qkv_proj"]
