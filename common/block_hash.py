@@ -21,6 +21,14 @@ def cache_scope(pool: str | None, salt: str) -> str:
     return hashlib.sha256(b"gapless-scope\0" + _encode((pool, salt))).hexdigest()
 
 
+def adapter_scope(scope: str, lora: str) -> str:
+    """The prefix-cache scope of a request run with LoRA adapter `lora` ("" : the base, whose
+    scope stays `scope`): another adapter's KV differs for the same tokens, so it never meets."""
+    if not lora:
+        return scope
+    return hashlib.sha256(b"gapless-lora\0" + _encode((scope, lora))).hexdigest()
+
+
 def hash_root(model: str, scope: str) -> bytes:
     """The parent hash of a request's first block: one per model and cache scope."""
     return hashlib.sha256(b"gapless-kv\0" + model.encode() + b"\0" + scope.encode()).digest()

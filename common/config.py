@@ -74,6 +74,7 @@ class TenantSpec(msgspec.Struct, frozen=True, kw_only=True):
     # its prompts' KV goes to the one prefix-cache pool that every sharing tenant reads, so each
     # of them can learn what the others sent (by cached_tokens or timing)
     share_prefix_cache: bool = False
+    lora_adapters: tuple[str, ...] = ()  # the LoRA adapters it may name (with a keys file)
 
 
 class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -633,6 +634,18 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
             extra={"parse": "bytes"},
         ),
     ] = 2**30
+    # LoRA adapters (docs/lora.md); vLLM's flag names
+    enable_lora: Annotated[
+        bool, msgspec.Meta(description="serve LoRA adapters (implied by --lora-modules)")
+    ] = False
+    lora_modules: Annotated[dict[str, str], NOT_A_FLAG] = {}  # name -> peft directory
+    max_loras: Annotated[
+        int, msgspec.Meta(description="LoRA adapters resident at once (at least those of "
+                          "--lora-modules)", ge=1)
+    ] = 1  # fmt: skip
+    max_lora_rank: Annotated[
+        int, msgspec.Meta(description="highest rank of an adapter's projection", ge=1, le=256)
+    ] = 16
 
     @property
     def num_ranks(self) -> int:

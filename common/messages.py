@@ -83,6 +83,7 @@ class AddRequest(_Msg):
     block_hashes: list[bytes] = []
     # OpenAI's Predicted Outputs: the predicted text's ids, drafts the runner verifies
     prediction: list[int] = []
+    lora: str = ""  # the LoRA adapter the request runs with; "": the base model
 
 
 class Abort(_Msg):
@@ -149,6 +150,7 @@ class NewSlot(_Msg):
     # a `suffix` slot's tenant: its drafts come from this tenant's requests, and its tokens
     # join this tenant's history when it leaves; never another tenant's
     tenant: str = ""
+    lora: str = ""  # the LoRA adapter its rows run with; "": the base model
 
 
 class StepPlan(_Msg):

@@ -102,6 +102,7 @@ class Admission:
             params=req.params,
             num_prompt_tokens=req.num_prompt,
             prompt_token_ids=req.prompt_ids if req.prompt_logprobs is not None else [],
+            lora=req.lora,
         )
         if cached and (_has_penalty(req.params) or req.spec_k):
             new.cached_ids = req.known_tokens(0, cached)

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from gapless.common.block_hash import adapter_scope
 from gapless.common.messages import AddRequest, PromptLogprobs, SamplingParams
 
 if TYPE_CHECKING:
@@ -62,6 +63,7 @@ class Request:
         "draft_method",
         "prediction",
         "spec_k",
+        "lora",
     )
 
     def __init__(self, msg: AddRequest, batch: RunningBatch, seq: int) -> None:
@@ -77,7 +79,9 @@ class Request:
         self.tenant_id = 0  # the policy's index of the tenant
         self.prompt_charged = 0  # prompt tokens charged to the tenant (a recompute is free)
         self.started = False  # got a seat once (a preempted request has)
-        self.cache_salt = msg.cache_salt
+        self.lora = msg.lora  # the LoRA adapter it runs with; "": the base
+        # its adapter is part of its prefix-cache scope (the frontend hashes blocks the same way)
+        self.cache_salt = adapter_scope(msg.cache_salt, msg.lora)
         self.block_hashes: list[bytes] = []  # chained hashes of its first full blocks (kv_blocks)
         self.num_cached_prompt = 0  # prompt tokens found in the prefix cache at its first seat
         self.num_named = 0  # leading blocks it holds that were offered to the cache by name

@@ -14,6 +14,7 @@ import msgspec
 from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4
 
 from gapless.common import metrics as core_metrics
+from gapless.common.lora import visible_adapters
 from gapless.common.messages import HEARTBEAT_TIMEOUT_S, KEEP_STEPS
 from gapless.frontend.api.chat import handle_chat
 from gapless.frontend.api.completions import handle_completions
@@ -143,26 +144,26 @@ class App:
         await handle_chat(self.state, req, out, caller)
 
     async def _models(self, req: HttpRequest, out: Responder, caller: Caller) -> None:
+        """The served model, then each LoRA adapter the caller may name (common/lora.py)."""
         config = self.state.config
-        card = ModelCard(
-            id=config.served_model_name,
-            created=self._created,
-            max_model_len=config.model.max_model_len,
-            family=config.model.architecture,
-        )
-        await out.json(200, ModelList(data=[card]))
+        names = [config.served_model_name, *visible_adapters(config, caller.tenant)]
+        await out.json(200, ModelList(data=[self._card(name) for name in names]))
 
     async def _model(self, req: HttpRequest, out: Responder, caller: Caller) -> None:
-        """GET /v1/models/{id}: the served model's card, 404 for any other."""
+        """GET /v1/models/{id}: the served model's card or a visible adapter's, else 404."""
         config = self.state.config
         name = unquote(req.path[len(MODEL_PREFIX) :])
-        if name != config.served_model_name:
+        if name != config.served_model_name and name not in visible_adapters(config, caller.tenant):
             raise ApiError(
                 404, f"the model `{name}` does not exist", param="model", code="model_not_found"
             )
-        card = ModelCard(id=name, created=self._created, max_model_len=config.model.max_model_len,
-                         family=config.model.architecture)  # fmt: skip
-        await out.json(200, card)
+        await out.json(200, self._card(name))
+
+    def _card(self, name: str) -> ModelCard:
+        config = self.state.config
+        parent = None if name == config.served_model_name else config.served_model_name
+        return ModelCard(id=name, created=self._created, max_model_len=config.model.max_model_len,
+                         family=config.model.architecture, parent=parent)  # fmt: skip
 
     async def _tokenize(self, req: HttpRequest, out: Responder, caller: Caller) -> None:
         await handle_tokenize(self.state, req, out)

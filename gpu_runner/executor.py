@@ -39,7 +39,9 @@ from gapless.gpu_runner.batch import (
 from gapless.gpu_runner.device import DeviceParts
 from gapless.gpu_runner.graph import DecodeGraphs, capture_sizes
 from gapless.gpu_runner.kv_cache import KVCache, make_kv_cache
+from gapless.gpu_runner.lora.stack import LoraStack
 from gapless.gpu_runner.model import CausalLM
+from gapless.gpu_runner.model.projection import StepContext
 from gapless.gpu_runner.pooling import Pooler, embedding_bytes
 from gapless.gpu_runner.sampling.grammar import GrammarRows
 from gapless.gpu_runner.sampling.logprobs import SampleOutput, row_logprobs
@@ -119,6 +121,8 @@ class StepExecutor:
         self.pooler = Pooler(slots, arch.hidden_size, self.device)
         self.drafts = Drafts(slots)
         self.last_seq = 0
+        self.lora: LoraStack | None = None  # resident LoRA adapters (the backend's)
+        self.plan_slots: list[int] = []  # the step's entries' slots
 
     def make_kv_cache(self, num_blocks: int) -> KVCache:
         bs = self.config.block_size
@@ -203,7 +207,10 @@ class StepExecutor:
         # in order; a plan the runner refused (plan_check) leaves a gap
         assert plan.seq > self.last_seq, f"plan {plan.seq} after {self.last_seq}: out of order"
         self.last_seq = plan.seq
+        self.plan_slots = plan.slots
         for slot in plan.freed_slots:
+            if self.lora is not None:
+                self.lora.bind(slot, "")
             self.batch.remove(slot)
             self.sampler.remove(slot)
             self.prompts.remove(slot)
@@ -211,6 +218,9 @@ class StepExecutor:
             self.pooler.remove(slot)
             self.drafts.remove(slot)
         for new in plan.new_slots:
+            assert self.lora is not None or not new.lora, "an adapter without --enable-lora"
+            if self.lora is not None:
+                self.lora.bind(new.slot, new.lora)
             self.batch.add(new.slot, drafting=bool(new.draft_method))
             self.sampler.add(new.slot, new.params, new.num_prompt_tokens)
             if new.cached_ids:
@@ -272,9 +282,17 @@ class StepExecutor:
         input_ids = torch.where(fed >= 0, fed, from_device)  # [rows] long
         positions = self.batch.column(POSITIONS, num_rows)
         logit_rows = self.batch.column(LOGIT_ROWS, num_rows if num_logits is None else num_logits)
+        ctx = self.step_context(num_rows)
         return self.model(
-            input_ids, positions, self.kv_cache, meta, logit_rows, run_layers, pool_rows
+            input_ids, positions, self.kv_cache, meta, logit_rows, run_layers, pool_rows, ctx
         )
+
+    def step_context(self, num_rows: int) -> StepContext:
+        """The layers' per-token context of the first num_rows rows of the static table."""
+        slots = self.batch.column(TOK_SLOT, num_rows)
+        if self.lora is None:
+            return StepContext(slots=slots)
+        return self.lora.context(slots, self.plan_slots)
 
     def run_model(self, inp: StepInputs, meta: AttentionMeta) -> torch.Tensor:
         """[B_s + P, vocab] float32 logits of the sampling entries in entry order, then of the

@@ -24,6 +24,7 @@ from gapless.common.config import (
 )
 from gapless.gpu_runner.sim.profiles import list_profiles
 from gapless.launch.keys_file import KeysFile, read_keys_file
+from gapless.launch.lora_args import add_lora_args, with_lora
 from gapless.launch.speculative_config import parse_speculative_config
 
 # why: the config reaches every process in one environment variable, which Linux caps at
@@ -193,6 +194,7 @@ def add_serve_args(p: argparse.ArgumentParser, cls: type[EngineConfig] = EngineC
         '"num_speculative_tokens": 4}\', for the methods gapless has (ngram, suffix); its '
         "values win over --speculative and --num-speculative-tokens",
     )
+    add_lora_args(p)
 
 
 def check_tensor_parallel(config: EngineConfig) -> None:
@@ -268,6 +270,7 @@ def config_from_args(
         tenants=tenants,
         **flags,
     )
+    config = with_lora(config, args.lora_modules)
     check_tensor_parallel(config)
     check_data_parallel(config)
     size = len(encode_config(config).encode())

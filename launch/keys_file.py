@@ -3,7 +3,8 @@
 The file is one JSON object, key -> a tenant name, or key -> an object:
 
     {"sk-a1": "acme", "sk-b2": {"tenant": "beta", "weight": 2, "priority": "batch",
-                                 "max_queued_requests": 100, "share_prefix_cache": true},
+                                 "max_queued_requests": 100, "share_prefix_cache": true,
+                                 "lora_adapters": ["beta-support"]},
      "sk-ops": {"tenant": "ops", "admin": true}}
 
 A tenant setting left out leaves it to another key of the same tenant, else to TenantSpec's
@@ -27,11 +28,12 @@ class KeyEntry(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     priority: int | str | None = None
     max_queued_requests: Annotated[int, msgspec.Meta(ge=1)] | None = None
     share_prefix_cache: bool | None = None
+    lora_adapters: tuple[str, ...] | None = None
     admin: bool = False
 
 
 _entry_decoder = msgspec.json.Decoder(str | KeyEntry)
-_SETTINGS = ("weight", "priority", "max_queued_requests", "share_prefix_cache")
+_SETTINGS = ("weight", "priority", "max_queued_requests", "share_prefix_cache", "lora_adapters")
 
 
 class KeysFile(NamedTuple):

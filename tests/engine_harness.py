@@ -39,7 +39,8 @@ def make_config(model_dir, **overrides) -> EngineConfig:
     return msgspec.structs.replace(base, **overrides)
 
 
-# arrivals[k]: (request id, prompt ids, params[, tenant[, priority]]) that join before step k
+# arrivals[k]: (request id, prompt ids, params[, tenant[, priority[, prediction[, lora]]]]) that
+# join before step k
 Arrivals = dict[int, list[tuple]]
 
 
@@ -77,6 +78,7 @@ class Harness:
         tenant="",
         priority=0,
         prediction: list[int] | None = None,
+        lora: str = "",
     ) -> None:
         self.outputs[rid] = []
         self.token_steps[rid] = []
@@ -92,6 +94,7 @@ class Harness:
                 tenant=tenant,
                 priority=priority,
                 prediction=prediction or [],
+                lora=lora,
             )
         )
 

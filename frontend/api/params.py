@@ -8,6 +8,7 @@ from typing import Any
 import msgspec
 
 from gapless.common.config import EngineConfig
+from gapless.common.lora import adapter_of
 from gapless.common.messages import SamplingParams
 from gapless.common.sampling_ranges import (
     FLOAT_RANGES,
@@ -35,6 +36,17 @@ def check_model(model: str | None, config: EngineConfig) -> None:
             param="model",
             code="model_not_found",
         )
+
+
+def check_adapter_model(model: str | None, config: EngineConfig, tenant: str) -> str:
+    """The LoRA adapter a generation request names ("" : the served model); 404 unless it
+    names the served model or an adapter its tenant may use (common/lora.py), so another
+    tenant's adapter reads as a model that does not exist."""
+    lora = adapter_of(model, config, tenant)
+    if lora is None:
+        raise ApiError(404, f"the model `{model}` does not exist", param="model",
+                       code="model_not_found")  # fmt: skip
+    return lora
 
 
 def _in_range(value: float, allowed: Range, name: str) -> float:

@@ -19,16 +19,16 @@ from typing import Any, Generic, TypeVar
 
 import msgspec
 
-from gapless.common.block_hash import chain_hashes, hash_root
+from gapless.common.block_hash import adapter_scope, chain_hashes, hash_root
 from gapless.common.config import EngineConfig
 from gapless.common.messages import SamplingParams
 from gapless.frontend.api.generation import ChoiceResult, respond
 from gapless.frontend.api.openai_fields import Rule, check_fields, struct_fields
 from gapless.frontend.api.params import (
+    check_adapter_model,
     check_cache_salt,
     check_max_tokens,
     check_min_tokens,
-    check_model,
     check_n,
     per_choice,
     resolve_max_tokens,
@@ -96,6 +96,7 @@ class Prelude(Generic[B]):
     response_id: str
     priority: int = 0  # from `admit` on
     cache_salt: str = ""  # the prefix-cache scope, from `admit` on
+    lora: str = ""  # the LoRA adapter its `model` names; "": the served model
 
     @classmethod
     async def read(
@@ -107,7 +108,8 @@ class Prelude(Generic[B]):
         received = time.perf_counter()
         body = decode_body(route.decoder, raw)
         check_fields(raw, route.name, route.known, route.refused)
-        check_model(body.model, config)
+        tenant = tenant_of(caller, req.headers.get("x-tenant"), body.user)
+        lora = check_adapter_model(body.model, config, tenant)
         n = check_n(body.n, config)
         asked, budget_name = route.budget(body)
         max_tokens = check_max_tokens(asked, budget_name, config)
@@ -127,8 +129,9 @@ class Prelude(Generic[B]):
             budget_name,
             logprobs,
             sampling,
-            tenant=tenant_of(caller, req.headers.get("x-tenant"), body.user),
+            tenant=tenant,
             response_id=f"{route.id_prefix}-{uuid.uuid4().hex}",
+            lora=lora,
         )
 
     @property
@@ -137,7 +140,7 @@ class Prelude(Generic[B]):
 
     @property
     def model(self) -> str:
-        return self.state.config.served_model_name
+        return self.lora or self.state.config.served_model_name
 
     def admit(self, num_prompts: int = 1) -> Ticket:
         """The priority and the cache scope (400 if bad), then the request caps (429 / 503):
@@ -170,7 +173,8 @@ class Prelude(Generic[B]):
         choice_params: list[SamplingParams] = []
         block_hashes: list[list[bytes]] = []
         for prompt, p in zip(prompts, params, strict=True):
-            hashes = prompt_block_hashes(state.config, prompt, self.cache_salt)
+            scope = adapter_scope(self.cache_salt, self.lora)  # as the core scopes it
+            hashes = prompt_block_hashes(state.config, prompt, scope)
             choice_prompts += [prompt] * n
             choice_params += per_choice(p, n)
             block_hashes += [hashes] * n
@@ -188,6 +192,7 @@ class Prelude(Generic[B]):
             cache_salt=self.cache_salt,
             num_prompt_tokens=sum(len(p) for p in prompts),
             block_hashes=block_hashes,
+            lora=self.lora,
         )
 
     async def respond(

@@ -150,6 +150,7 @@ class ModelCard(msgspec.Struct, kw_only=True):
     max_model_len: int
     owned_by: str = "gapless"
     family: str = ""  # the decoder family served (llama, qwen3, gemma2, mixtral, ...)
+    parent: str | None = None  # a LoRA adapter's: the served model it runs on (never its path)
 
 
 class ModelList(msgspec.Struct, kw_only=True):

@@ -54,6 +54,7 @@ class Job:
     # one per choice: its prompt's prefix-cache block names (prelude.prompt_block_hashes)
     block_hashes: list[list[bytes]] = field(default_factory=list)
     prediction: list[int] = field(default_factory=list)  # `prediction`'s ids, every choice's
+    lora: str = ""  # the LoRA adapter it runs with; "": the served model
 
     def __post_init__(self) -> None:
         assert len(self.prompt_ids) == len(self.params), "one prompt per choice"
@@ -196,6 +197,7 @@ class RequestStream:
                 cache_salt=job.cache_salt,
                 block_hashes=hashes,
                 prediction=job.prediction,
+                lora=job.lora,
             )
             for rid, prompt, params, hashes in zip(
                 self.ids, job.prompt_ids, job.params, job.block_hashes, strict=True

@@ -30,6 +30,8 @@ from gapless.gpu_runner.device import DeviceParts, HostClock, HostResults
 from gapless.gpu_runner.executor import Launched, StepExecutor
 from gapless.gpu_runner.graph import capture_sizes
 from gapless.gpu_runner.kv_cache import blocks_in
+from gapless.gpu_runner.lora.adapter import load_adapter
+from gapless.gpu_runner.lora.stack import LoraStack
 from gapless.gpu_runner.model import CausalLM
 from gapless.gpu_runner.model.load import DTYPES, load_model
 from gapless.gpu_runner.model.shard import local_arch
@@ -93,6 +95,7 @@ class CpuBackend:
             before_forward=ThreadSizer(threads) if threads > 1 else None,
         )
         self.executor = StepExecutor(config, self.arch, self.model, self.dtype, num_blocks, parts)
+        self.executor.lora = self._load_adapters()
         self.graphs = self.executor.graphs
         if self.compiled:
             self._compile()
@@ -118,6 +121,20 @@ class CpuBackend:
         log.info("%s: %s activations, %s weights", self.config.served_model_name,
                  str(self.dtype).removeprefix("torch."), self.quantization)  # fmt: skip
         return model.eval()
+
+    def _load_adapters(self) -> LoraStack | None:
+        """--lora-modules resident on the model, in float32 whatever its dtype (docs/lora.md)."""
+        config = self.config
+        if not (config.enable_lora or config.lora_modules):
+            return None
+        assert self.tp is None, "LoRA adapters with tensor parallelism are not supported yet"
+        capacity = max(config.max_loras, len(config.lora_modules))
+        stack = LoraStack(self.model, self.arch, capacity, config.max_lora_rank,
+                          config.max_num_seqs)  # fmt: skip
+        for name, path in config.lora_modules.items():
+            stack.add(load_adapter(name, path, self.arch, config.max_lora_rank))
+            log.info("LoRA adapter %s resident", name)
+        return stack
 
     def _attention(self, batch: PersistentBatch) -> TorchAttention:
         bs = self.config.block_size

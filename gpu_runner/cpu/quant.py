@@ -32,6 +32,7 @@ from gapless.common import families
 from gapless.common.model_files import ModelArch, read_gguf
 from gapless.gpu_runner.cpu import kernels
 from gapless.gpu_runner.model import FUSED
+from gapless.gpu_runner.model.projection import PROJECTIONS, wrap_projections
 
 log = logging.getLogger("gapless.gpu_runner")
 
@@ -63,7 +64,7 @@ W8A8_TOP = 63
 # where bfloat16 is native, past it slower (`python -m gapless.bench.floor --batch 1 2 4 8 16
 # 32 --format int4 bf16`; bench/RESULTS.md, "int4-dual")
 SMALL_ROWS = 16
-QUANTIZED = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+QUANTIZED = PROJECTIONS  # the layers quantization swaps, besides the output layer
 
 
 class Int8Linear(nn.Module):
@@ -354,22 +355,20 @@ def quantize_model(model: nn.Module, mode: str, model_path: str, arch: ModelArch
     assert mode in ("int8", "int4", "w8a8", "int4-dual"), f"unknown quantization {mode!r}"
     path = Path(model_path)
     exact = q4_1_blocks(path, arch) if mode.startswith("int4") and path.is_file() else {}
-    for name, module in list(model.named_modules()):
-        if not isinstance(module, nn.Linear) or name.rsplit(".", 1)[-1] not in QUANTIZED:
-            continue
+
+    def quantized(name: str, module: nn.Module) -> nn.Module:
+        assert isinstance(module, nn.Linear), f"{name}: quantized twice"
         bias = None if module.bias is None else module.bias.detach()
         if mode == "int8":
             q, scale = int8_rows(module.weight.detach())
-            new: nn.Module = Int8Linear(q, scale.to(KERNEL_DTYPE), bias)
-        elif mode == "w8a8":
-            new = make_w8a8(module.weight.detach(), bias)
-        else:
-            q, d, m = _int4_blocks(model, name, module.weight.detach(), exact)
-            new = make_int4(q, d, m, bias)
-            if mode == "int4-dual":
-                new = DualLinear(module, new)
-        parent, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent), attr, new)
+            return Int8Linear(q, scale.to(KERNEL_DTYPE), bias)
+        if mode == "w8a8":
+            return make_w8a8(module.weight.detach(), bias)
+        q, d, m = _int4_blocks(model, name, module.weight.detach(), exact)
+        new = make_int4(q, d, m, bias)
+        return DualLinear(module, new) if mode == "int4-dual" else new
+
+    wrap_projections(model, quantized)
     if mode == "w8a8":
         model.lm_head = make_w8a8(model.lm_head.weight.detach(), None)
         return

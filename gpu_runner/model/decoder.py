@@ -15,6 +15,7 @@ from gapless.common.shards import vocab_range
 from gapless.gpu_runner.attention import AttentionMeta
 from gapless.gpu_runner.model.layers import MLP, Attention, RMSNorm
 from gapless.gpu_runner.model.moe import MoE
+from gapless.gpu_runner.model.projection import StepContext
 from gapless.gpu_runner.model.rope import Rope
 
 if TYPE_CHECKING:
@@ -80,20 +81,20 @@ class DecoderLayer(nn.Module):
         # layers of one kind run the same code on their own weights (compiled.py replays them)
         self.kind = (self.self_attn.window, self.rope, type(self.mlp).__name__)
 
-    def forward(self, x, cos, sin, kv, meta) -> torch.Tensor:
+    def forward(self, x, cos, sin, kv, meta, ctx: StepContext | None = None) -> torch.Tensor:
         # cos, sin [R, T, 1, rot]: the step's RoPE tables
-        h = self.self_attn(self.input_layernorm(x), cos[self.rope], sin[self.rope], kv, meta)
+        h = self.self_attn(self.input_layernorm(x), cos[self.rope], sin[self.rope], kv, meta, ctx)
         if self.reduce is not None:
             h = self.reduce(h)
         if not self.sandwich:
             x = x + h
-            return x + self._mlp(self.post_attention_layernorm(x))
+            return x + self._mlp(self.post_attention_layernorm(x), ctx)
         x = x + self.post_attention_layernorm(h)
-        h = self._mlp(self.pre_feedforward_layernorm(x))
+        h = self._mlp(self.pre_feedforward_layernorm(x), ctx)
         return x + self.post_feedforward_layernorm(h)
 
-    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.mlp(x)
+    def _mlp(self, x: torch.Tensor, ctx: StepContext | None) -> torch.Tensor:
+        h = self.mlp(x) if ctx is None else self.mlp(x, ctx)
         return h if self.reduce is None else self.reduce(h)
 
 
@@ -184,6 +185,9 @@ class CausalLM(nn.Module):
         run_layers: Callable | None = None,
         # [K] long: rows whose final hidden state is wanted too (embedding requests' pooling)
         pool_rows: torch.Tensor | None = None,
+        # the step's per-token context; a step that has something in it (adapter rows) runs
+        # its layers eagerly
+        ctx: StepContext | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """[B, vocab] float32 logits; with pool_rows, also [K, hidden] float32: those rows'
         hidden states after the final norm (the state an embedding pools)."""
@@ -191,11 +195,11 @@ class CausalLM(nn.Module):
         if self.arch.embed_scale != 1.0:
             x = x * _in_dtype(self.arch.embed_scale, x.dtype)
         cos, sin = self.rope(positions, x.dtype)
-        if run_layers is not None:
+        if run_layers is not None and (ctx is None or ctx.adapters is None):
             x = run_layers(self.model.layers, x, cos, sin, kv_cache, meta)
         else:
             for i, layer in enumerate(self.model.layers):
-                x = layer(x, cos, sin, kv_cache[i], meta)
+                x = layer(x, cos, sin, kv_cache[i], meta, ctx)
         pooled = None if pool_rows is None else self.model.norm(x.index_select(0, pool_rows))
         x = self.model.norm(x.index_select(0, logit_rows))
         logits = self.lm_head(x).float()

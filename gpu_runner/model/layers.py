@@ -10,6 +10,7 @@ from torch import nn
 
 from gapless.common.families.base import ModelArch
 from gapless.gpu_runner.attention import AttentionMeta
+from gapless.gpu_runner.model.projection import StepContext, project, projection
 from gapless.gpu_runner.model.rope import rotate
 
 ACTIVATIONS = {
@@ -45,8 +46,8 @@ class Attention(nn.Module):
         )
         # q's rows, then k's and v's; a fused layer's parts are split by its module's sizes
         self.sizes = [self.num_heads * self.head_dim] + [self.num_kv_heads * self.head_dim] * 2
-        self.qkv_proj = nn.Linear(arch.hidden_size, sum(self.sizes), bias=arch.attention_bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, arch.hidden_size, bias=arch.o_bias)
+        self.qkv_proj = projection(arch.hidden_size, sum(self.sizes), arch.attention_bias)
+        self.o_proj = projection(self.num_heads * self.head_dim, arch.hidden_size, arch.o_bias)
         self.q_norm = self.k_norm = None
         if arch.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, arch.norm_offset)
@@ -54,9 +55,11 @@ class Attention(nn.Module):
         self.window = arch.window(layer)  # keys attended, its own included; 0: all
         self.softcap = arch.attn_softcap
 
-    def forward(self, x, cos, sin, kv: torch.Tensor, meta: AttentionMeta) -> torch.Tensor:
+    def forward(
+        self, x, cos, sin, kv: torch.Tensor, meta: AttentionMeta, ctx: StepContext | None = None
+    ) -> torch.Tensor:
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        q, k, v = project(self.qkv_proj, x, ctx).split(self.sizes, dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
@@ -67,17 +70,17 @@ class Attention(nn.Module):
             o = meta.attend(q, k, v, kv[0], kv[1], self.window, self.softcap)
         else:
             o = meta.attend(q, k, v, kv[0], kv[1])
-        return self.o_proj(o.reshape(t, -1))
+        return project(self.o_proj, o.reshape(t, -1), ctx)
 
 
 class MLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int, act: str) -> None:
         super().__init__()
         self.sizes = [intermediate] * 2  # gate's rows, then up's
-        self.gate_up_proj = nn.Linear(hidden, sum(self.sizes), bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_up_proj = projection(hidden, sum(self.sizes), False)
+        self.down_proj = projection(intermediate, hidden, False)
         self.act = ACTIVATIONS[act]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.sizes, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+    def forward(self, x: torch.Tensor, ctx: StepContext | None = None) -> torch.Tensor:
+        gate, up = project(self.gate_up_proj, x, ctx).split(self.sizes, dim=-1)
+        return project(self.down_proj, self.act(gate) * up, ctx)

@@ -15,6 +15,7 @@ from torch import nn
 
 from gapless.common.families.base import ModelArch
 from gapless.gpu_runner.model.layers import ACTIVATIONS, MLP
+from gapless.gpu_runner.model.projection import StepContext
 
 
 def _expert(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, act: str) -> torch.Tensor:
@@ -139,10 +140,10 @@ class MoE(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return ids, weights
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: StepContext | None = None) -> torch.Tensor:
         ids, weights = self.route(x)
         w = self.experts
         out = torch.ops.gapless.moe_experts(x, ids, weights, w.gate_up_proj, w.down_proj, self.act)
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, ctx)
         return out

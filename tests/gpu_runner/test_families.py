@@ -151,7 +151,7 @@ def test_quantized_families_stay_near_float32(family, mode):
     assert cos.min() > (0.99 if mode == "int4" else 0.999), f"{name} {mode}: {cos.min()}"
 
 
-def _logits(model, arch, ids: torch.Tensor) -> torch.Tensor:
+def _logits(model, arch, ids: torch.Tensor, ctx=None) -> torch.Tensor:
     import numpy as np
 
     from gapless.gpu_runner.attention import StepLayout
@@ -164,4 +164,4 @@ def _logits(model, arch, ids: torch.Tensor) -> torch.Tensor:
     kv = [tuple(torch.zeros((pages.size + 1) * bs, arch.num_kv_heads, arch.head_dim)
                 for _ in range(2)) for _ in range(arch.num_layers)]  # fmt: skip
     with torch.no_grad():
-        return model(ids, torch.arange(n), kv, meta, torch.arange(n))
+        return model(ids, torch.arange(n), kv, meta, torch.arange(n), ctx=ctx)

@@ -104,6 +104,10 @@ FLAGS = {
     "--responses-store-bytes RESPONSES_STORE_BYTES": "1GiB",
     "--tenant-weight NAME=W": "every tenant weighs 1",
     "--speculative-config JSON": None,
+    "--enable-lora": "off",
+    "--max-loras MAX_LORAS": "1",
+    "--max-lora-rank MAX_LORA_RANK": "16",
+    "--lora-modules NAME=PATH": "none",
 }
 WIDE = "1000"  # columns, so no help line wraps
 

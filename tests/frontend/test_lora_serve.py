@@ -1,0 +1,49 @@
+"""`gapless serve --lora-modules` end to end: the official openai client names an adapter as
+`model` and gets peft's greedy tokens for it, and the base's under the base's name; the models
+list shows the adapter with its parent."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tokenizers import Tokenizer
+
+from tests.family_models import build
+from tests.lora_adapters import greedy, make_adapter
+from tests.server import Server
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("peft")
+
+pytestmark = pytest.mark.slow
+
+PROMPT = [1, 2000, 3000, 4000, 5000, 6000, 7000]
+TOKENS = 12
+
+
+def test_the_openai_client_names_an_adapter_as_model(tmp_path, tiny_model_dir):
+    base = build("llama", tmp_path / "model", tiny_model_dir)
+    ref = make_adapter(base, "llama", tmp_path / "sql", "plain", seed=5)
+    server = Server("--model", str(tmp_path / "model"), "--served-model-name", "tiny", "--dtype", "float32",
+                    "--lora-modules", f"sql-lora={tmp_path / 'sql'}")  # fmt: skip
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+        got = {}
+        for name in ("sql-lora", "tiny"):
+            reply = client.completions.create(model=name, prompt=PROMPT, max_tokens=TOKENS,
+                                              temperature=0, logprobs=0)  # fmt: skip
+            assert reply.model == name
+            got[name] = (reply.choices[0].text, reply.choices[0].logprobs.token_logprobs)
+        cards = {c.id: c.model_extra.get("parent") for c in client.models.list().data}
+        assert cards == {"tiny": None, "sql-lora": "tiny"}
+        with pytest.raises(openai.NotFoundError):
+            client.completions.create(model="other", prompt=PROMPT, max_tokens=1)
+    finally:
+        assert server.stop() == 0, server.read_log()
+    tokenizer = Tokenizer.from_file(str(tmp_path / "model" / "tokenizer.json"))
+    for name, model in (("sql-lora", ref), ("tiny", base)):
+        ids, want = greedy(model, PROMPT, TOKENS)
+        text, lps = got[name]
+        assert text == tokenizer.decode(ids, skip_special_tokens=False), name
+        torch.testing.assert_close(torch.tensor(lps), torch.tensor(want), atol=1e-3, rtol=0)
+    assert got["sql-lora"][0] != got["tiny"][0]
