@@ -34,6 +34,7 @@ from gapless.bench.report import (
     format_tenants_by_target,
     ratios,
 )
+from gapless.bench.serve_args import split_serve_args
 from gapless.bench.targets import Target, normalize_url, parse_target, served_model, url_name
 from gapless.bench.tenants import TenantSpec, parse_tenants, read_tenants_file, specs_checked
 from gapless.bench.workloads import is_known
@@ -141,13 +142,6 @@ def build_plot_parser() -> argparse.ArgumentParser:
     p.add_argument("--from", dest="sources", nargs="+", required=True, metavar="JSON")
     p.add_argument("--plot-dir", required=True)
     return p
-
-
-def split_serve_args(argv: list[str]) -> tuple[list[str], list[str]]:
-    if "--" not in argv:
-        return argv, []
-    i = argv.index("--")
-    return argv[:i], argv[i + 1 :]
 
 
 def _flag_value(args: list[str], flag: str) -> str | None:

@@ -25,9 +25,9 @@ from dataclasses import asdict, dataclass, field
 
 import httpx
 
-from gapless.bench.cli import split_serve_args
 from gapless.bench.hostile import held_connection
 from gapless.bench.launch import launched_server
+from gapless.bench.serve_args import split_serve_args
 
 PER_PROCESS = 8000  # idle sockets one helper process holds (under a 20,000 descriptor limit)
 

@@ -36,6 +36,7 @@ from pathlib import Path
 from gapless.bench.cpu_step import hogs
 from gapless.bench.floor import FORMATS
 from gapless.bench.launch import free_port, launched_server
+from gapless.bench.serve_args import split_serve_args
 
 # runs of figures 1 and 2b, turns of 2a and 3 (one stream read 138.7-155.0 tok/s in three)
 PAIRS = 5
@@ -143,9 +144,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    ours, serve_args = (
-        (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
-    )
+    ours, serve_args = split_serve_args(argv)
     p = argparse.ArgumentParser(prog="python -m gapless.bench.cpu_compare", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--llama-server", help="a llama-server binary (llama.cpp); without it, skipped")

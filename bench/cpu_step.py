@@ -22,6 +22,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from gapless.bench.serve_args import split_serve_args
 from gapless.common.config import EngineConfig
 from gapless.common.messages import NewSlot, SamplingParams, StepPlan
 from gapless.gpu_runner.cpu.threads import set_wait_policy
@@ -142,9 +143,7 @@ def hogs(n: int) -> Iterator[None]:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    ours, serve_args = (
-        (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
-    )
+    ours, serve_args = split_serve_args(argv)
     p = argparse.ArgumentParser(
         prog="python -m gapless.bench.cpu_step", description=__doc__.split("\n")[0]
     )

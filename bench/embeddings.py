@@ -19,6 +19,7 @@ import httpx
 import numpy as np
 
 from gapless.bench.launch import launched_server
+from gapless.bench.serve_args import split_serve_args
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -77,10 +78,7 @@ def run(url: str, args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str]) -> None:
-    serve_args: list[str] = []
-    if "--" in argv:
-        cut = argv.index("--")
-        argv, serve_args = argv[:cut], argv[cut + 1 :]
+    argv, serve_args = split_serve_args(argv)
     args = build_parser().parse_args(argv)
     if not (args.launch or args.base_url):
         sys.exit("bench embeddings: name a server: --base-url URL or --launch")

@@ -23,6 +23,8 @@ from typing import Any
 import numpy as np
 import uvloop
 
+from gapless.bench.serve_args import split_serve_args
+
 DEFAULT_PROFILE = "h100-llama3.2-1b"
 DEFAULT_SCALES = (4.0, 2.0, 1.0, 0.7, 0.5, 0.35, 0.25)
 IDLE_THRESHOLD = 0.01
@@ -246,11 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> None:
     from gapless.bench.workloads import parse_fixed
 
-    if "--" in argv:
-        i = argv.index("--")
-        argv, serve_args = argv[:i], argv[i + 1 :]
-    else:
-        serve_args = []
+    argv, serve_args = split_serve_args(argv)
     parser = build_parser()
     args = parser.parse_args(argv)
     if parse_fixed(args.workload) is None:

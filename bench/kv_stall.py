@@ -22,8 +22,8 @@ from statistics import median
 import httpx
 import zmq
 
-from gapless.bench.cli import split_serve_args
 from gapless.bench.launch import free_port, launched_server
+from gapless.bench.serve_args import split_serve_args
 
 
 def tree_rss_bytes(root_port: int) -> int:

@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from gapless.bench.cpu_step import Streams, runner_config
+from gapless.bench.serve_args import split_serve_args
 from gapless.gpu_runner.cpu.threads import set_wait_policy
 
 PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -88,9 +89,7 @@ def median_step(runner, batch: int, prompt: int, steps: int, names: list[str]) -
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
-    ours, serve_args = (
-        (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
-    )
+    ours, serve_args = split_serve_args(argv)
     p = argparse.ArgumentParser(
         prog="python -m gapless.bench.lora_step", description=__doc__.split("\n")[0]
     )

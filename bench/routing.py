@@ -31,8 +31,8 @@ import httpx
 import msgspec
 import zmq
 
-from gapless.bench.cli import split_serve_args
 from gapless.bench.launch import free_port, launched_server
+from gapless.bench.serve_args import split_serve_args
 
 ROOT_KEY = b"router-root"
 

@@ -16,6 +16,8 @@ import platform
 
 import numpy as np
 
+from gapless.bench.serve_args import split_serve_args
+
 
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
@@ -26,10 +28,7 @@ def main(argv: list[str]) -> int:
     from gapless.gpu_runner.backend import make_backend
     from gapless.launch.cli import add_serve_args, config_from_args
 
-    serve_args: list[str] = []
-    if "--" in argv:
-        i = argv.index("--")
-        argv, serve_args = argv[:i], argv[i + 1 :]
+    argv, serve_args = split_serve_args(argv)
     p = argparse.ArgumentParser(prog="gapless bench spec-cost", description=__doc__)
     p.add_argument("--batches", type=_ints, default=[1, 2, 4, 8, 16, 32, 64])
     p.add_argument("--acceptance", type=lambda s: [float(x) for x in s.split(",")],
