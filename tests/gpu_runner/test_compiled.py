@@ -17,7 +17,10 @@ from gapless.common.messages import SamplingParams
 from tests.core.test_engine_greedy import GREEDY, reference  # noqa: F401 (a fixture)
 from tests.engine_harness import Harness, make_config
 
-pytestmark = pytest.mark.slow
+# why in file order: the replay tests at the end see the compiler as the runners above leave
+# it; run first in a fresh process, test_a_step_whose_metadata_differs_goes_through_the_compiler
+# finds no step to skip the compiler for (an open question, not yet understood)
+pytestmark = [pytest.mark.slow, pytest.mark.randomly_dont_reorganize]
 
 
 def _count_compiled_runs(backend) -> list[int]:
