@@ -19,7 +19,7 @@ import msgspec
 from gapless.common.config import EngineConfig
 from gapless.frontend.api.generation import ChoiceResult, cut_error
 from gapless.frontend.api.openai_fields import RESPONSES_REFUSED, check_fields, struct_fields
-from gapless.frontend.api.params import check_max_tokens, check_model, sampling_fields
+from gapless.frontend.api.params import check_adapter_model, check_max_tokens, sampling_fields
 from gapless.frontend.api.prelude import Prelude, Route
 from gapless.frontend.api.protocol import (
     ChatCompletionRequest,
@@ -221,8 +221,8 @@ async def handle_responses(
     body = decode_body(_decoder, raw)
     check_fields(raw, "responses", _KNOWN, RESPONSES_REFUSED)
     _check_unsupported(body)
-    check_model(body.model, config)
     tenant = tenant_of(caller, req.headers.get("x-tenant"), body.user)
+    lora = check_adapter_model(body.model, config, tenant)
     store = state.responses
     keep = store is not None and body.store is not False
     context = [*await previous_context(store, body.previous_response_id, tenant),
@@ -233,7 +233,7 @@ async def handle_responses(
     max_tokens = check_max_tokens(body.max_output_tokens, "max_output_tokens", config)
     sampling = sampling_fields(chat, None, config)
     pre = Prelude(state, ROUTE, req, out, chat, arrival, received, 1, max_tokens,
-                  "max_output_tokens", None, sampling, tenant, response_id())  # fmt: skip
+                  "max_output_tokens", None, sampling, tenant, response_id(), lora=lora)  # fmt: skip
     prompter = state.prompter
     tools = await plan_tools(chat, prompter.grammars, tenant)
     grammar = await _format_grammar(prompter.grammars, chat.response_format, tenant)

@@ -38,6 +38,12 @@ def test_the_openai_client_names_an_adapter_as_model(tmp_path, tiny_model_dir):
         assert cards == {"tiny": None, "sql-lora": "tiny"}
         with pytest.raises(openai.NotFoundError):
             client.completions.create(model="other", prompt=PROMPT, max_tokens=1)
+        # /v1/responses reads `model` as chat does: the adapter's answer, the same as chat's
+        reply = client.responses.create(model="sql-lora", input="hi", max_output_tokens=8,
+                                        temperature=0, store=False)  # fmt: skip
+        chat = client.chat.completions.create(model="sql-lora", max_tokens=8, temperature=0,
+                                              messages=[{"role": "user", "content": "hi"}])  # fmt: skip
+        assert reply.model == "sql-lora" and reply.output_text == chat.choices[0].message.content
     finally:
         assert server.stop() == 0, server.read_log()
     tokenizer = Tokenizer.from_file(str(tmp_path / "model" / "tokenizer.json"))
