@@ -116,6 +116,10 @@ class PersistentBatch:
         self.last_token = torch.zeros(max_slots, dtype=torch.long, device=self.device)
         shape = (max_rows, NUM_COLS)
         self.staging = SharedTable(shape) if staging is None else staging(shape, self.device)
+        # a verify of decodes runs as padded decode rows (prepare); off where a device's
+        # graphs are not built for it
+        self.expand_verify = False
+        self.max_padded = capture_sizes(max_slots)[-1]
         self.table = self.staging.table  # [rows, NUM_COLS] long, on device
         self._arange = np.arange(max_rows + 1)  # [max_rows + 1] int64, never written
         self._ones = np.ones(max_rows, dtype=np.int64)  # never written
@@ -208,8 +212,18 @@ class PersistentBatch:
             positions = start[entry] + np.arange(t) - (ends - n)[entry]
             tok_slot = slots[entry]
             fed_rows = np.flatnonzero(np.asarray(plan.has_tokens, dtype=bool)[entry])
-        padded = pad and t == b
-        num_rows = padded_size(b) if padded else t
+        # a verify of device-fed decodes runs as decode rows, one per token (each query's
+        # context ends at its own position; the step's K/V are written before attention reads),
+        # so it takes the padded decode path and its compiled graph, not an eager mixed step
+        expand = (
+            self.expand_verify
+            and d is not None
+            and not plan.token_ids
+            and plan.num_tokens.count(1) == b
+            and t <= self.max_padded
+        )
+        padded = pad and (t == b or expand)
+        num_rows = padded_size(t) if padded else t
         ctx_len = start + (1 if decode else n)
         self.length[slots] = ctx_len  # the executor takes back the drafts it rejects
         if all(plan.sample):
@@ -259,9 +273,13 @@ class PersistentBatch:
         num_entries = num_rows if padded else b
         pages = -(-int(ctx_len.max()) // bs)
         page_table = np.zeros((num_entries, pages), dtype=np.int64)
-        page_table[:b] = self.block_table[slots, :pages]
         entry_ctx = np.ones(num_entries, dtype=np.int64)
-        entry_ctx[:b] = ctx_len
+        if padded and not decode:  # an expanded verify: an entry per row
+            page_table[:t] = self.block_table[tok_slot, :pages]
+            entry_ctx[:t] = positions + 1
+        else:
+            page_table[:b] = self.block_table[slots, :pages]
+            entry_ctx[:b] = ctx_len
         layout = StepLayout(
             num_tokens=self._ones[:num_entries] if padded or decode else n,
             ctx_len=entry_ctx,

@@ -82,6 +82,7 @@ class CpuBackend:
         assert num_blocks >= 2, "--kv-cache-memory holds less than one KV block"
         self.compiled = config.compile and self.use_graphs and tp is None
         batch = batch_for(config, CPU, num_blocks)
+        batch.expand_verify = True
         self.attn = self._attention(batch)
         parts = DeviceParts(
             device=CPU,

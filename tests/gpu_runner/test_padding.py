@@ -204,3 +204,34 @@ def test_page_lists_for_flashinfer():
     assert indices.tolist() == [1, 2, 9, 10, 17, 0]
     assert last.tolist() == [1, 2, 2, 1]
     assert indptr.dtype == indices.dtype == last.dtype == np.int32
+
+
+def test_a_verify_of_decodes_runs_as_padded_decode_rows_and_equals_unpadded(runners):
+    """Decodes verifying drafts run as one decode row per token (each seeing the cache up to
+    its own position) through the graph layer, padded; their logits equal the unpadded verify
+    step's, which attends per entry with a causal mask."""
+    prompts = {0: list(range(100, 105)), 1: list(range(200, 209)), 2: list(range(300, 308))}
+    drafts = [[11, 12], [13], [14, 15, 16]]  # within each slot's blocks: 3 + 6 = 9 rows
+    maker = Plans(4)
+    prefill, verify = maker.step(prompts, []), maker.step({}, [0, 1, 2])
+    got = {}
+    for pad in (True, False):
+        runner = runners(pad)
+        ex, calls = runner.executor, []
+        run = runner.graphs.run
+        runner.graphs.run = lambda size, meta, run=run, calls=calls: (
+            calls.append(size) or run(size, meta)
+        )
+        with torch.inference_mode():
+            forward_plan(runner, prefill)
+            ex.begin(verify)
+            inp = ex.batch.prepare(verify, pad=ex.use_graphs, drafts=drafts)
+            meta = ex.attn.build(inp.layout, ex.batch.column(SLOT_MAPPING, inp.num_rows))
+            got[pad] = (inp, ex.run_model(inp, meta)[: inp.num_sample].clone(), calls)
+    (inp_p, logits_p, calls_p), (inp_u, logits_u, calls_u) = got[True], got[False]
+    assert inp_p.padded and inp_p.num_rows == padded_size(9) and calls_p == [16]
+    assert not inp_u.padded and inp_u.num_rows == 9 and calls_u == []
+    positions = [5, 6, 7, 9, 10, 8, 9, 10, 11]
+    assert inp_p.layout.ctx_len[:9].tolist() == [p + 1 for p in positions]
+    assert inp_p.sample_counts.tolist() == inp_u.sample_counts.tolist() == [3, 2, 4]
+    torch.testing.assert_close(logits_p, logits_u, atol=1e-5, rtol=1e-5)

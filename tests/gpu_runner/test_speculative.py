@@ -132,11 +132,15 @@ def test_a_stop_token_inside_an_accepted_run_ends_it_there(tiny_model_dir, off):
 
 
 def test_calibration_times_each_size_and_leaves_no_trace(off_run):
-    """The cpu's step-time table (speculation's cost model): a time per size, and the KV
-    blocks and inputs table it used are zero again."""
+    """The cpu's step-time table (speculation's cost model): a time per size, 3 tokens priced
+    as the 4 they pad to (a verify of decodes runs padded up to the largest decode batch, 4
+    here; past it eagerly, unpadded), and the KV blocks and inputs table it used are zero
+    again."""
     ex = off_run.backend.executor
+    assert ex.batch.max_padded == 4
     tokens, seconds = step_seconds(ex, table_sizes(40))
-    assert tokens == [1, 2, 4, 8, 16, 32, 40] and all(s > 0 for s in seconds)
+    assert tokens == [1, 2, 3, 4, 8, 16, 32, 40] and all(s > 0 for s in seconds)
+    assert seconds[2] == seconds[3]
     bs = ex.batch.block_size
     used = (-(-40 // bs) + 1) * bs
     assert all(not cache[bs:used].any() for kv in ex.kv_cache for cache in kv)  # 0: scratch
