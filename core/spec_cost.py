@@ -55,11 +55,15 @@ class SpecCost:
         self.rejected = self.rejected * DECAY + float((accepted[rows] < drafted[rows]).sum())
 
     def step_seconds(self, n: np.ndarray) -> np.ndarray:
-        """t(n): interpolated in the table, extended past its ends along its last segments."""
+        """t(n): interpolated in the table; past its end, each further token at the larger of
+        the last segment's cost and the largest size's mean cost per token.
+        why the mean: past a table's end a step is bound by arithmetic, where a token costs at
+        least what it did on average; a last segment measured flat (a noisy run) would price
+        a step of many rows' drafts as nearly free."""
         x, y = self.tokens, self.seconds
         t = np.interp(n, x, y)
-        slope = (y[-1] - y[-2]) / (x[-1] - x[-2])
-        return np.where(n > x[-1], y[-1] + (n - x[-1]) * max(slope, 0.0), t)
+        slope = max((y[-1] - y[-2]) / (x[-1] - x[-2]), y[-1] / x[-1])
+        return np.where(n > x[-1], y[-1] + (n - x[-1]) * slope, t)
 
     def best_k(self, num_drafting: int, num_tokens: int, num_other: int, k_max: int) -> int:
         """k* for a step (see the module's doc); k_max when there is no model."""

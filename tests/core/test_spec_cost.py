@@ -5,6 +5,7 @@ compute-bound. On sim (h100-llama3-8b's modelled table) and in the scheduler's p
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from prometheus_client import CollectorRegistry
 
 from gapless.common.messages import SamplingParams
@@ -97,3 +98,13 @@ def test_sim_verifies_at_the_profiles_acceptance_and_stops_for_a_big_batch(tiny_
     assert abs(accepted - get_profile("h100-llama3-8b").spec_acceptance) < 0.1
     big, drafted = _sim_run(tiny_model_dir, 256, "ngram", 8)
     assert drafted == 0 and big.scheduler.spec_cost.num_stopped > 0
+
+
+def test_past_the_table_a_token_costs_at_least_the_mean_of_the_largest_size():
+    """A last segment measured flat does not make many rows' drafts look free: past the
+    table's end each token costs at least what one did on average at its largest size."""
+    cost = SpecCost([1, 2, 32, 64], [0.007, 0.009, 0.0470, 0.0475])
+    assert cost.step_seconds(np.array([128]))[0] == pytest.approx(0.0475 * 2)
+    cost.observe(np.full(1, 10_000), np.full(1, 7_000))
+    cost.accepted, cost.rejected = 7_000.0, 3_000.0
+    assert cost.best_k(32, 32, 0, 4) <= 1  # 32 rows: a draft or none, not four
