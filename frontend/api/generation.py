@@ -149,11 +149,13 @@ async def respond(
     fmt: ChunkFormat,
     build: Callable[[list[ChoiceResult], Usage], object],
     writer: Callable[[RequestStream, Responder], Awaitable[None]] | None = None,
+    cut: Callable[[ApiError], bytes] | None = None,
 ) -> None:
     """Streams or answers whole; a client that disconnects first aborts the engine requests,
     and so does one that stops reading its stream (SlowReaderWatch), whose stream then ends
-    with an error event. `writer`, given, writes the stream in place of `sse` (its own events
-    and ending); `build` may return an awaitable of the body."""
+    with an error event and [DONE], or with `cut`'s frames for the error where given.
+    `writer`, given, writes the stream in place of `sse` (its own events and ending); `build`
+    may return an awaitable of the body."""
     stream = RequestStream(state.engine, job, partial(failure, admission=state.admission))
     try:
         with engine_errors(job):
@@ -172,7 +174,10 @@ async def respond(
         log.warning("request %s aborted, its client is not reading: %s", job.request_id, slow)
         metrics.observer.slow_client(slow.reason)
         job.stats.finish_reason = "abort"
-        out.end_now(slow.error())
+        if cut is None:
+            out.end_now(slow.error())
+        else:
+            out.cut_now(cut(slow.error()))
         raise ClientGone from None
     body = build(choices, stream.usage())
     if inspect.isawaitable(body):

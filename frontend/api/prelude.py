@@ -41,7 +41,7 @@ from gapless.frontend.api.stream import ChunkFormat, Job, RequestStream
 from gapless.frontend.engine.queue_view import Ticket
 from gapless.frontend.engine.tenants import Caller, cache_scope_of, priority_of, tenant_of
 from gapless.frontend.http.asgi import HttpRequest, Responder
-from gapless.frontend.http.errors import decode_body
+from gapless.frontend.http.errors import ApiError, decode_body
 
 B = TypeVar("B", ChatCompletionRequest, CompletionRequest)
 
@@ -201,9 +201,10 @@ class Prelude(Generic[B]):
         fmt: ChunkFormat,
         build: Callable[[list[ChoiceResult], Usage], object],
         writer: Callable[[RequestStream, Responder], Awaitable[None]] | None = None,
+        cut: Callable[[ApiError], bytes] | None = None,
     ) -> None:
-        """Streams the answer as `fmt` shapes its chunks (or as `writer` writes it), or
-        answers whole with `build`."""
+        """Streams the answer as `fmt` shapes its chunks (or as `writer` writes it, and `cut`
+        its last frames when a reader too slow is cut off), or answers whole with `build`."""
         body = self.body
         await respond(
             self.state,
@@ -215,4 +216,5 @@ class Prelude(Generic[B]):
             fmt=fmt,
             build=build,
             writer=writer,
+            cut=cut,
         )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import secrets
 import time
 from contextlib import aclosing
+from functools import partial
 from typing import Any
 
 import msgspec
@@ -43,7 +44,7 @@ from gapless.frontend.api.responses_store import ResponseStore
 from gapless.frontend.api.state import FrontendState
 from gapless.frontend.api.stream import RequestStream
 from gapless.frontend.api.structured import Grammars
-from gapless.frontend.api.tool_parsers import ToolParser, make_parser
+from gapless.frontend.api.tool_parsers import make_parser
 from gapless.frontend.api.tools import plan_tools, template_messages
 from gapless.frontend.engine.client import StreamCut
 from gapless.frontend.engine.tenants import Caller, tenant_of
@@ -260,15 +261,17 @@ async def handle_responses(
         await save(response)
         return response
 
+    events = ResponseEvents(parser)
+
     async def write(stream: RequestStream, out: Responder) -> None:
-        await _stream(stream, out, answer, parser, save, config)
+        await _stream(stream, out, answer, events, save, config)
 
     with pre.admit() as ticket:
         prompt_ids = await _prompt(pre, chat, tools, body.truncation == "auto")
         params = pre.params(prompt_ids, "input")
         pre.admit_tokens(ticket, [prompt_ids])
         job = pre.job(ticket, [prompt_ids], [params])
-        await pre.respond(job, _NO_CHUNKS, build, write)
+        await pre.respond(job, _NO_CHUNKS, build, write, partial(_failure, events, answer))
 
 
 async def _format_grammar(
@@ -328,28 +331,35 @@ class _NoChunks:
 _NO_CHUNKS = _NoChunks()
 
 
+def _failure(events: ResponseEvents, answer: Answer, exc: ApiError) -> bytes:
+    """A started stream's last events when it fails: `error`, then `response.failed` (no
+    [DONE]: the Responses API numbers its events and never sends one)."""
+    opening = b"" if events.sequence else events.opening(answer.head)
+    error = events.event("error", code=exc.code, message=exc.message, param=exc.param)
+    return opening + error + events.event("response.failed", response=answer.failed(exc))
+
+
 async def _stream(
     stream: RequestStream,
     out: Responder,
     answer: Answer,
-    parser: ToolParser | None,
+    events: ResponseEvents,
     save: Any,
     config: EngineConfig,
 ) -> None:
-    """The typed events as deltas arrive (responses_events.py); the response is stored before
-    its last event. A failure before the first delta keeps its HTTP status."""
-    events = ResponseEvents(parser)
+    """The typed events as deltas arrive (responses_events.py): `response.created` and
+    `response.in_progress` at once, as the request is admitted, then the output's; the
+    response is stored before its last event. A failure after that is its events."""
     stream.write_to(_NO_CHUNKS, out, config.sse_keepalive_s)
     reason: str | None = None
     try:
+        await out.frames(events.opening(answer.head))
         async with aclosing(stream.deltas()) as deltas:
             async for _, delta, received in deltas:
                 if delta is None:  # IDLE: nothing came for keepalive_s
                     await out.comment()
                     continue
-                # why not out.started: a keepalive comment may have started the stream
-                frames = b"" if events.sequence else events.opening(answer.head)
-                await out.frames(frames + events.delta(delta))
+                await out.frames(events.delta(delta))
                 metrics.observer.streamed(time.perf_counter() - received)
                 reason = delta.finish_reason
     except (ApiError, StreamCut) as exc:
@@ -359,12 +369,11 @@ async def _stream(
             exc = cut_error(exc)
         if not out.started:
             raise exc from None
-        error = events.event("error", code=exc.code, message=exc.message, param=exc.param)
-        failed = events.event("response.failed", response=answer.failed(exc))
+        frames = _failure(events, answer, exc)
         # a cut (the server is going away) is written past flow control, as chat's is
-        if cut and out.cut_now(error + failed):
+        if cut and out.cut_now(frames):
             return
-        await out.frames(error + failed)
+        await out.frames(frames)
         await out.end_stream()
         return
     response = answer.done(events.output, reason, stream.usage())

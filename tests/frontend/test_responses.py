@@ -128,8 +128,8 @@ def test_streamed_events_and_the_final_response(client: openai.OpenAI) -> None:
 
 
 def test_a_failure_mid_stream_is_an_error_event_then_failed(base_url: str, engine) -> None:
-    """After the first token an engine failure ends the stream with `error` and
-    response.failed (no [DONE]); before it, the request keeps its HTTP status."""
+    """An engine failure ends the stream with `error` and response.failed (no [DONE]), after
+    the first token or before it: response.created went out as the request was admitted."""
     engine.finish_with, engine.fail_at = "error", 2
     url, body = base_url + "/v1/responses", {"input": "one two three four", "stream": True}
     with httpx.stream("POST", url, json=body, timeout=10) as r:
@@ -141,20 +141,27 @@ def test_a_failure_mid_stream_is_an_error_event_then_failed(base_url: str, engin
     assert failed["status"] == "failed" and failed["error"]["code"] == "engine_error"
     assert [d["sequence_number"] for d in data] == list(range(len(data)))
     engine.fail_at = 0
-    r = httpx.post(url, json=body, timeout=10)
-    assert r.status_code == 500 and r.json()["error"]["code"] == "engine_error"
+    with httpx.stream("POST", url, json=body, timeout=10) as r:
+        assert r.status_code == 200
+        text = r.read().decode()
+    data = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: ")]
+    kinds = ["response.created", "response.in_progress", "error", "response.failed"]
+    assert [d["type"] for d in data] == kinds and data[2]["code"] == "engine_error"
 
 
 def test_keepalives_before_the_first_token_keep_the_events(make_config, engine) -> None:
-    """A stream that waits past --sse-keepalive has begun with comments; its events still
-    open with response.created, numbered from 0."""
+    """response.created and response.in_progress go out at once; a first token that comes
+    past --sse-keepalive is preceded by comments, and the events stay numbered from 0."""
     engine.delay_s = 0.3
     with served(make_config(sse_keepalive_s=0.05), engine) as port:
         body = {"input": "one two", "stream": True, "max_output_tokens": 1}
         url = f"http://127.0.0.1:{port}/v1/responses"
         with httpx.stream("POST", url, json=body, timeout=10) as r:
             text = r.read().decode()
-    assert text.startswith(": keep-alive")
+    assert text.startswith("event: response.created\n")
+    opening = text.index("event: response.in_progress")
+    assert text.index(": keep-alive") > opening
+    assert text.index(": keep-alive") < text.index("event: response.output_item.added")
     data = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: ")]
     assert data[0]["type"] == "response.created" and data[-1]["type"] == "response.incomplete"
     assert [d["sequence_number"] for d in data] == list(range(len(data)))

@@ -33,14 +33,16 @@ BODIES = pytest.mark.parametrize("body", [BODY | {"logprobs": 5}, BODY], ids=["l
 CUT_END = b"data: [DONE]\n\n\r\n0\r\n\r\n"
 
 
-def _stop_reading(port: int, body_fields: dict, rcvbuf: int = 4096) -> socket.socket:
+def _stop_reading(
+    port: int, body_fields: dict, rcvbuf: int = 4096, path: bytes = b"/v1/completions"
+) -> socket.socket:
     """Sends a streaming request and reads nothing of the answer."""
     s = socket.socket()
     s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
     s.connect(("127.0.0.1", port))
     body = json.dumps(body_fields).encode()
     s.sendall(
-        b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b"POST " + path + b" HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
         b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body
     )
     return s
@@ -91,6 +93,29 @@ def test_unread_buffer_cap_aborts_the_request(make_config, engine, registry, bod
             time.sleep(0.05)
     assert _slow(registry, "buffer") == 1
     assert engine.num_in_flight == 0
+
+
+def test_a_cut_responses_stream_ends_with_its_own_typed_events(make_config, engine, registry):
+    """/v1/responses numbers its events and sends no [DONE]: a reader cut off gets `error`
+    and `response.failed`, the last two sequence numbers, and the chunked body's end."""
+    config = make_config(
+        model_overrides=LONG_CONTEXT, stream_write_timeout_s=600.0, stream_buffer_events=64
+    )
+    body = {"input": "word " * 20_000, "max_output_tokens": 200_000, "stream": True,
+            "store": False}  # fmt: skip
+    with served(config, engine, send_buffer=SEND_BUFFER) as port:
+        client = _stop_reading(port, body, path=b"/v1/responses")
+        _wait_aborted(engine, 30)
+        reply = _read_to_end(client)
+        client.close()
+    assert reply.endswith(b"\n\n\r\n0\r\n\r\n") and b"[DONE]" not in reply, reply[-300:]
+    frames = reply[: -len(b"\r\n0\r\n\r\n")].rstrip(b"\r\n").split(b"\n\n")
+    error, failed = (json.loads(f[f.index(b"data: ") + 6 :]) for f in frames[-2:])
+    assert error["type"] == "error" and error["code"] == "slow_reader"
+    assert failed["type"] == "response.failed"
+    assert failed["response"]["status"] == "failed"
+    assert failed["sequence_number"] == error["sequence_number"] + 1
+    assert _slow(registry, "buffer") == 1
 
 
 @BODIES
