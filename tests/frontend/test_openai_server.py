@@ -315,6 +315,20 @@ def test_responses_retrieve_list_delete_store_false_and_tenants(server, client):
         client.responses.input_items.list(gone.id)
 
 
+def test_responses_a_stored_response_outlives_the_server_that_stored_it(server, client):
+    """A second `gapless serve` on the same store answers and is stopped (SIGTERM, as a
+    restart stops it); what it stored is read back through this module's server."""
+    args = server.proc.args[server.proc.args.index("--responses-store") :]
+    other = Server(*args)
+    try:
+        c = openai.OpenAI(base_url=other.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        r = c.responses.create(input="outlive", max_output_tokens=3, **GREEDY)
+    finally:
+        assert other.stop() == 0, other.read_log()
+    assert client.responses.retrieve(r.id).output_text == r.output_text
+    assert client.responses.input_items.list(r.id).data[0].content[0].text == "outlive"
+
+
 def test_the_agents_sdk_runs_an_agent_with_a_function_tool(server):
     """The Agents SDK's Responses model: a forced first turn calls the tool, whose output goes
     back with the whole history, and the second turn (tool_choice reset to auto) answers."""
