@@ -46,6 +46,7 @@ from gapless.common.messages import (
     UnloadLora,
 )
 from gapless.core.lora_book import AdapterBook
+from gapless.core.lora_metrics import LoraMetrics
 from gapless.core.metrics import CoreMetrics
 from gapless.core.policy import make_policy
 from gapless.core.request import Request
@@ -136,6 +137,10 @@ class EngineCore:
             known_tenants=tuple(config.tenants), replica=config.replica
         )
         self.metrics.cache_config(config.block_size, self.scheduler.blocks.num_usable)
+        self.lora_metrics = None
+        if seats is not None:
+            m = self.metrics
+            self.lora_metrics = LoraMetrics(m.registry, config.max_loras, m.tenant_label)
         self.shutdown = False
         self._out = EngineOutputs()
         self._ended: list[tuple[str, str, str]] = []  # (request id, end reason, error) to send
@@ -387,6 +392,8 @@ class EngineCore:
         # why freed, not given: a fill of idle seats gives many and says nothing of the drain
         rate = sum(k for _, k in freed) / DRAIN_WINDOW_S
         self.metrics.observe_tenants(tenants, priorities, self.scheduler)
+        if self.lora_metrics is not None:
+            self.lora_metrics.observe(self.scheduler)
         last = self._queue_state
         if last is not None and (last.waiting, last.waiting_tokens) == (waiting, tokens):
             if last.tenant_waiting == tenants:

@@ -23,6 +23,9 @@ class LoraSeats:
         self.ready: OrderedDict[str, None] = OrderedDict.fromkeys(ready)
         self.running: Counter[str] = Counter()  # adapter -> requests holding a seat
         self.held: dict[str, list[Request]] = {}  # adapter -> its requests waiting here
+        # (tenant, adapter, prompt tokens computed, outputs) of adapter requests that ended,
+        # until the metrics take them
+        self.ended: list[tuple[str, str, int, int]] = []
 
     def admits(self, name: str) -> bool:
         """Whether a request of adapter name ("" : the base) may take a seat now."""
@@ -76,3 +79,7 @@ class LoraSeats:
             self.running[req.lora] -= 1
             if not self.running[req.lora]:
                 del self.running[req.lora]
+
+    def finished(self, req: Request) -> None:
+        if req.lora:
+            self.ended.append((req.tenant, req.lora, req.prompt_charged, req.num_outputs))

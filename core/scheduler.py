@@ -175,6 +175,8 @@ class Scheduler:
         else:
             self.policy.remove(req)
         req.status = Status.FINISHED
+        if self.lora is not None:
+            self.lora.finished(req)
         self._scoring.discard(req)
         if req.num_pending == 0:
             del self.requests[req.request_id]

@@ -7,10 +7,12 @@ model that does not exist."""
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 from tokenizers import Tokenizer
 
 from tests.family_models import build
@@ -75,8 +77,25 @@ def _load_use_unload(url: str, client, path) -> tuple[str, list[float]]:
     assert "fr" in [c.id for c in client.models.list().data]
     reply = client.completions.create(model="fr", prompt=PROMPT, max_tokens=TOKENS,
                                       temperature=0, logprobs=0)  # fmt: skip
+    _metrics_count_fr(url)
     r = httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "fr"}, headers=admin)
     assert r.status_code == 200, r.text
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="fr", prompt=PROMPT, max_tokens=1)
     return reply.choices[0].text, reply.choices[0].logprobs.token_logprobs
+
+
+def _metrics_count_fr(url: str) -> None:
+    """/metrics counts fr's tokens by tenant and shows the info gauge gateways read."""
+    deadline = time.monotonic() + 10.0  # why: the core writes its series every few ms
+    while True:
+        families = {f.name: f.samples for f in
+                    text_string_to_metric_families(httpx.get(url + "/metrics").text)}  # fmt: skip
+        out = [s for s in families.get("gapless_lora_tokens", [])
+               if s.labels.get("adapter") == "fr" and s.labels["kind"] == "output"]  # fmt: skip
+        if out or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert [(s.labels["tenant"], s.value) for s in out] == [("a", TOKENS)]
+    (info,) = families["gapless_lora_requests_info"]
+    assert info.labels["max_lora"] == "1" and info.labels["running_lora_adapters"] == ""
