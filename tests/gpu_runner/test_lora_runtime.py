@@ -2,7 +2,8 @@
 process: a loaded adapter gives peft's greedy tokens; a bad one is refused with its reason and
 loads nothing; unloading lets running requests finish and ends waiting ones with an error
 naming the adapter; no step mixes more than --max-loras adapters; past --max-cpu-loras an
-adapter is read again from disk when a request asks for it."""
+adapter is read again from disk when a request asks for it; a tenant's adapter requests keep
+their fair share beside a tenant flooding the base."""
 
 from __future__ import annotations
 
@@ -138,3 +139,27 @@ def test_past_max_cpu_loras_an_adapter_is_read_again(llama):
     assert len(h.backend.executor.lora.host) == 1
     for rid in h.outputs:
         _check_peft(h, rid, refs[rid.split("/")[0]])
+
+
+def test_an_adapter_tenant_keeps_its_share_beside_a_base_flood(llama):
+    """Fair share across adapters: tenant A's requests name its adapter, tenant B floods the
+    base; while both wait for seats each receives half the tokens (time in engine steps)."""
+    model_dir, root, _ = llama
+    h = _engine(
+        model_dir,
+        root,
+        lora_modules={"a": str(root / "a")},
+        scheduling_policy="fair",
+        priority_aging_s=1e6,
+    )  # why: the order must not hang on how slow the host is
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    flood = [(f"B{i}", PROMPT, params, "B") for i in range(24)]
+    mine = [(f"A{i}", PROMPT, params, "A", 0, None, "a") for i in range(8)]
+    h.run({0: flood + mine})  # the flood first in line
+    both = [k for k, waiting in enumerate(h.backlogged) if {"A", "B"} <= waiting]
+    first, last = both[0], both[-1] + 1
+    assert last - first >= 24, "a window long enough to measure"
+    got = {t: sum(first <= s < last for rid, steps in h.token_steps.items() if rid[0] == t
+                  for s in steps) for t in "AB"}  # fmt: skip
+    assert 0.9 <= got["A"] / got["B"] <= 1.1, got  # first come first served: A gets none
+    assert all(len(h.outputs[f"A{i}"]) == 12 for i in range(8))
