@@ -346,6 +346,7 @@ class EngineCore:
         if book.seats.held:
             for name in book.want():
                 self._end_waiting_of(name, "is not loaded")
+        book.let_go()  # what the last read kept past --max-cpu-loras, once no request needs it
         if book.runner:
             self._out.runner += book.runner
             book.runner = []

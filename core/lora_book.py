@@ -34,7 +34,7 @@ class AdapterBook:
         self.reading: dict[str, tuple[str, Asker | None]] = {}  # name -> (path, who loads it)
         self.runner: list[RunnerInput] = []  # to send the runner, in order
         self.frontend: list[tuple[int, LoraAdapters]] = []  # to send frontends
-        self._let_go()
+        self.let_go()
 
     def load(self, msg: LoadLora) -> None:
         name, asker = msg.name, (msg.frontend_id, msg.token)
@@ -75,7 +75,7 @@ class AdapterBook:
         if asker is not None:
             self.paths[name] = path
         self.seats.add_ready(name)
-        self._let_go()
+        self.let_go()
         if asker is not None:
             self._broadcast(asker)
         return []
@@ -94,9 +94,9 @@ class AdapterBook:
                 self.runner.append(ReadAdapter(name, self.paths[name]))
         return gone
 
-    def _let_go(self) -> None:
+    def let_go(self) -> None:
         """Past --max-cpu-loras, let the least recently used adapters no request needs go."""
-        if self.max_cpu is None:
+        if self.max_cpu is None or len(self.seats.ready) <= self.max_cpu:
             return
         seats = self.seats
         ready = list(seats.ready)  # least recently seated first

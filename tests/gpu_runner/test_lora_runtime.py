@@ -67,9 +67,16 @@ def _check_peft(h: Recorder, rid: str, ref) -> None:
     torch.testing.assert_close(torch.tensor(h.logprobs[rid]), torch.tensor(lps), atol=1e-3, rtol=0)
 
 
-def test_a_loaded_adapter_serves_and_bad_ones_load_nothing(llama):
+def test_loaded_adapters_serve_bad_ones_load_nothing_and_steps_mix_at_most_max_loras(llama):
+    """One engine (--max-loras 1, --max-cpu-loras 1) through a run: `a` loaded while its request
+    waits, bad adapters refused, a taken name refused; then `b`, and requests of a, b and the
+    base together: no step mixes two adapters, and each adapter let go from host memory is
+    read again when its requests come."""
     model_dir, root, refs = llama
-    h = _engine(model_dir, root, max_lora_rank=8)
+    h = _engine(model_dir, root, max_lora_rank=8, max_cpu_loras=1)
+    reads = []
+    handle = h.reader.handle
+    h.reader.handle = lambda msg: (reads.append(msg), handle(msg))
     loads = [LoadLora(0, k, name, str(root / name))
              for k, name in enumerate(("a", "wide", "dora", "misfit"))]  # fmt: skip
     # the request of `a` arrives while `a` is read: it waits, then runs
@@ -83,10 +90,29 @@ def test_a_loaded_adapter_serves_and_bad_ones_load_nothing(llama):
     assert "use_dora=True is not supported" in answers[2].error
     assert "do not fit r=4" in answers[3].error
     assert all(answers[k].status == 400 for k in (1, 2, 3))
-    h.run(messages={h.steps: [LoadLora(0, 9, "a", str(root / "b"))]})  # a name taken
-    taken = _answers(h)[-1]
+    load_b = [LoadLora(0, 9, "a", str(root / "b")), LoadLora(0, 10, "b", str(root / "b"))]
+    h.run(messages={h.steps: load_b})
+    taken, loaded = _answers(h)[-2:]
     assert taken.token == 9 and taken.status == 400 and "loaded already" in taken.error
-    assert list(h.core.adapters.paths) == ["a"]
+    assert loaded.token == 10 and loaded.names == ["a", "b"]
+    mixes = []
+    launch = h.backend.launch
+
+    def recorded(plan: StepPlan):
+        handle = launch(plan)
+        stack = h.backend.executor.lora
+        mixes.append({stack.names[stack.slot_adapter[s]] for s in plan.slots} - {None})
+        return handle
+
+    h.backend.launch = recorded
+    del reads[:]
+    h.run({h.steps: [(f"{n}/{i}", PROMPT, GREEDY, "", 0, None, n) for i in (1, 2)
+                     for n in ("a", "b", "")]})  # fmt: skip
+    assert max(len(m) for m in mixes) == 1 and {"a", "b"} <= set().union(*mixes)
+    assert [m.name for m in reads if isinstance(m, ReadAdapter)] == ["a"], "b was in memory"
+    assert len(h.backend.executor.lora.host) == 1
+    for rid in h.outputs:  # "base" and "/1": the base model's
+        _check_peft(h, rid, refs[rid.split("/")[0].replace("base", "")])
 
 
 def test_unload_lets_running_requests_finish_and_ends_waiting_ones(llama):
@@ -101,44 +127,6 @@ def test_unload_lets_running_requests_finish_and_ends_waiting_ones(llama):
     assert _answers(h)[-1].names == [] and _answers(h)[-1].token == 5
     h.run(messages={h.steps: [UnloadLora(0, 6, "a")]})
     assert _answers(h)[-1].status == 404
-
-
-def test_no_step_mixes_more_than_max_loras_adapters(llama):
-    model_dir, root, refs = llama
-    lora = {n: str(root / n) for n in ("a", "b")}
-    h = _engine(model_dir, root, lora_modules=lora, max_loras=1)
-    mixes = []
-    launch = h.backend.launch
-
-    def recorded(plan: StepPlan):
-        handle = launch(plan)
-        stack = h.backend.executor.lora
-        mixes.append({stack.names[stack.slot_adapter[s]] for s in plan.slots} - {None})
-        return handle
-
-    h.backend.launch = recorded
-    arrivals = {0: [(f"{n}/{i}", PROMPT, GREEDY, "", 0, None, n) for i in range(2)
-                    for n in ("a", "b", "")]}  # fmt: skip
-    h.run(arrivals)
-    assert max(len(m) for m in mixes) == 1 and {"a", "b"} <= set().union(*mixes)
-    for rid in h.outputs:
-        _check_peft(h, rid, refs[rid.split("/")[0]])
-
-
-def test_past_max_cpu_loras_an_adapter_is_read_again(llama):
-    model_dir, root, refs = llama
-    lora = {n: str(root / n) for n in ("a", "b")}
-    h = _engine(model_dir, root, lora_modules=lora, max_cpu_loras=1)
-    reads = []
-    handle = h.reader.handle
-    h.reader.handle = lambda msg: (reads.append(msg), handle(msg))
-    arrivals = {k * 20: [(f"{n}/{k}", PROMPT, GREEDY, "", 0, None, n)]
-                for k, n in enumerate(("a", "b", "a"))}  # fmt: skip
-    h.run(arrivals)
-    assert [m.name for m in reads if isinstance(m, ReadAdapter)] == ["a", "b", "a"]
-    assert len(h.backend.executor.lora.host) == 1
-    for rid in h.outputs:
-        _check_peft(h, rid, refs[rid.split("/")[0]])
 
 
 def test_an_adapter_tenant_keeps_its_share_beside_a_base_flood(llama):
