@@ -368,6 +368,9 @@ class EngineCore:
             if now - req.queued_at <= limit_s:
                 break
             expired.append(req)
+        seats = self.scheduler.lora
+        if seats is not None and seats.held:  # waiting aside for their adapter: as long a limit
+            expired += [r for r in seats.waiting() if not r.started and now - r.queued_at > limit_s]
         for req in expired:
             waited = now - req.queued_at
             why = f"waited {waited:.1f} s for a seat, longer than --max-queue-wait {limit_s:g} s"

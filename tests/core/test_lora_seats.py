@@ -58,3 +58,24 @@ def test_a_further_adapter_waits_for_a_seat_without_holding_the_queue():
     s.finish(y, "abort")
     s.finish(base, "abort")
     assert not s.has_work and s.num_waiting == 0
+
+
+def test_a_request_waiting_for_its_adapter_meets_the_queue_deadline(default_gguf):
+    """--max-queue-wait ends a request waiting aside for its adapter's read as any other."""
+    from gapless.common.messages import LoadLora, TokenBatch
+    from gapless.core.engine import EngineCore
+    from tests.conftest import sim_config
+
+    config = sim_config(default_gguf, enable_lora=True, max_queue_wait_s=0.001)
+    core = EngineCore(config, num_kv_blocks=64)
+    core.handle(LoadLora(0, 1, "x", "/adapters/x"))  # read by no runner here: it never ends
+    core.handle(AddRequest(request_id="r", frontend_id=0, prompt_token_ids=[5, 6, 7],
+                           params=SamplingParams(max_tokens=2), arrival_time=time.time(),
+                           lora="x"))  # fmt: skip
+    core.step()
+    assert core.scheduler.lora.num_held == 1
+    time.sleep(0.05)  # why: past the deadline, however fast the host
+    out = core.step()
+    (batch,) = [m for m in out.detok if isinstance(m, TokenBatch)]
+    assert batch.request_ids == ["r"] and batch.finish_reasons == ["queue_timeout"]
+    assert core.scheduler.num_waiting == 0
