@@ -15,6 +15,9 @@ from gapless.frontend.api.state import FrontendState
 from gapless.frontend.http.asgi import HttpRequest, Responder
 from gapless.frontend.http.errors import ApiError, bad_request, decode_body
 
+# the files of an adapter the runner reads (gpu_runner/lora/adapter.py)
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+
 
 class LoadLoraBody(msgspec.Struct, forbid_unknown_fields=True):
     lora_name: str
@@ -65,6 +68,9 @@ async def read_load(state: FrontendState, req: HttpRequest) -> tuple[str, str]:
                           param="lora_path")  # fmt: skip
     if not os.path.isdir(path):
         raise bad_request(f"lora_path {body.lora_path!r} is not a directory", param="lora_path")
+    for name in ADAPTER_FILES:  # why: a link in the directory may lead out of the roots
+        if inside_roots(os.path.join(path, name), config.lora_dirs) is None:
+            raise bad_request(f"lora_path: {name} leads out of --lora-dir", param="lora_path")
     return body.lora_name, path
 
 

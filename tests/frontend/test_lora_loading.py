@@ -30,6 +30,9 @@ def roots(tmp_path):
         d.mkdir(parents=True)
     (root / "notes.txt").write_text("x")
     os.symlink(outside, root / "escape")
+    (root / "leaky").mkdir()  # its weights file is a link out of the root
+    (outside / "secret").write_text("x")
+    os.symlink(outside / "secret", root / "leaky" / "adapter_model.safetensors")
     return root, outside
 
 
@@ -79,7 +82,7 @@ async def test_only_an_admin_key_loads(client, engine, roots) -> None:
 async def test_a_path_outside_the_roots_is_refused(client, engine, roots) -> None:
     root, outside = roots
     for path in (outside, root / "escape", root / ".." / "elsewhere", "/", root / "notes.txt",
-                 root / "missing", ""):  # fmt: skip
+                 root / "missing", "", root / "leaky"):  # fmt: skip
         r = await _load(client, "sql", path)
         assert r.status_code == 400, path
         assert r.json()["error"]["param"] == "lora_path", path
