@@ -646,6 +646,13 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_lora_rank: Annotated[
         int, msgspec.Meta(description="highest rank of an adapter's projection", ge=1, le=256)
     ] = 16
+    # roots POST /v1/load_lora_adapter may read adapters from (--lora-dir); empty: no loading
+    lora_dirs: Annotated[tuple[str, ...], NOT_A_FLAG] = ()
+    max_cpu_loras: Annotated[
+        Annotated[int, msgspec.Meta(ge=1)] | None,
+        msgspec.Meta(description="LoRA adapters kept in host memory, least recently used out "
+                     "and read again when asked (default: every loaded one)"),
+    ] = None  # fmt: skip
 
     @property
     def num_ranks(self) -> int:

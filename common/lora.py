@@ -32,20 +32,26 @@ def parse_lora_module(text: str) -> tuple[str, str]:
     return name, path
 
 
-def visible_adapters(config: EngineConfig, tenant: str) -> list[str]:
-    """The adapters tenant may name, in --lora-modules' order."""
+def visible_adapters(
+    config: EngineConfig, tenant: str, loaded: list[str] | None = None
+) -> list[str]:
+    """The adapters tenant may name, in loading order; loaded: the adapters served now (None:
+    those of --lora-modules)."""
+    names = list(config.lora_modules) if loaded is None else loaded
     if not config.api_keys:
-        return list(config.lora_modules)
+        return names
     spec = config.tenants.get(tenant)
     allowed = set(spec.lora_adapters) if spec is not None else set()
-    return [name for name in config.lora_modules if name in allowed]
+    return [name for name in names if name in allowed]
 
 
-def adapter_of(model: str | None, config: EngineConfig, tenant: str) -> str | None:
+def adapter_of(
+    model: str | None, config: EngineConfig, tenant: str, loaded: list[str] | None = None
+) -> str | None:
     """The adapter a request's `model` names ("" : the base model), or None where it names
     nothing this caller may use."""
     if model is None or model == config.served_model_name:
         return ""
-    if model in config.lora_modules and model in visible_adapters(config, tenant):
+    if model in visible_adapters(config, tenant, loaded):
         return model
     return None

@@ -127,7 +127,36 @@ class ResetPrefixCache(_Msg):
     token: int
 
 
-CoreInput = AddRequest | Abort | StreamEnded | Shutdown | GetStats | GetTimeline | ResetPrefixCache
+class LoadLora(_Msg):
+    """POST /v1/load_lora_adapter, its name and path checked by the frontend (docs/lora.md):
+    the runner reads the adapter off its step thread; the core answers with LoraAdapters."""
+
+    frontend_id: int
+    token: int
+    name: str
+    path: str
+
+
+class UnloadLora(_Msg):
+    """POST /v1/unload_lora_adapter: the adapter's running requests finish, its waiting ones
+    end with an error; the core answers with LoraAdapters."""
+
+    frontend_id: int
+    token: int
+    name: str
+
+
+CoreInput = (
+    AddRequest
+    | Abort
+    | StreamEnded
+    | Shutdown
+    | GetStats
+    | GetTimeline
+    | ResetPrefixCache
+    | LoadLora
+    | UnloadLora
+)
 
 
 # ---------------------------------------------------------------- core -> gpu_runner
@@ -177,7 +206,21 @@ class StepPlan(_Msg):
     num_draft: list[int] = []
 
 
-RunnerInput = StepPlan | Shutdown
+class ReadAdapter(_Msg):
+    """Read a LoRA adapter into host memory, on a thread apart from the steps; the runner
+    answers AdapterRead. A slot that names it later makes it resident."""
+
+    name: str
+    path: str
+
+
+class DropAdapter(_Msg):
+    """Forget an adapter's weights; slots that use it keep them until they are freed."""
+
+    name: str
+
+
+RunnerInput = StepPlan | Shutdown | ReadAdapter | DropAdapter
 
 
 # ---------------------------------------------------------------- gpu_runner -> core
@@ -253,7 +296,14 @@ class StepRefused(_Msg):
     reason: str
 
 
-RunnerOutput = StepResult | RunnerReady | RunnerError | StepRefused
+class AdapterRead(_Msg):
+    """ReadAdapter's answer: the adapter is in host memory, or why it cannot be served."""
+
+    name: str
+    error: str = ""
+
+
+RunnerOutput = StepResult | RunnerReady | RunnerError | StepRefused | AdapterRead
 
 
 # ---------------------------------------------------------------- core -> detokenizer
@@ -417,8 +467,27 @@ class QueueState(_Msg):
 
 QUEUE_STATE_INTERVAL_S = 0.02
 
+
+class LoraAdapters(_Msg):
+    """The adapters a core serves, sent to every frontend when they change; to the frontend
+    that asked, with its LoadLora's or UnloadLora's token and, if it failed, why (`status`:
+    the HTTP status the error is)."""
+
+    names: list[str]
+    token: int = -1  # -1: no one's answer
+    error: str = ""
+    status: int = 200
+
+
 FrontendInput = (
-    TextDeltas | EngineDead | EngineStats | Timeline | QueueState | Heartbeat | PrefixCacheReset
+    TextDeltas
+    | EngineDead
+    | EngineStats
+    | Timeline
+    | QueueState
+    | Heartbeat
+    | PrefixCacheReset
+    | LoraAdapters
 )
 
 

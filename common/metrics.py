@@ -146,9 +146,38 @@ def bad_frames_counter() -> Counter:
 # about the engine's size, never about traffic. Queue lengths, running requests, token totals,
 # latencies, KV use and prefix-cache hits all move with other tenants' requests, so they are the
 # admin key's (or an open /metrics's).
-TENANT_VISIBLE = frozenset({"gapless_kv_blocks_total"})
+LORA_MAX_ADAPTERS = "gapless_lora_max_adapters"
+TENANT_VISIBLE = frozenset({"gapless_kv_blocks_total", LORA_MAX_ADAPTERS})
 # the label core/metrics.py gives the tenants past its bound, all together: nobody's own
 OTHER_TENANTS = "other"
+# by tenant and LoRA adapter (core/lora_metrics.py); the info gauge below is made from them
+LORA_REQUESTS_RUNNING = "gapless_lora_requests_running"
+LORA_REQUESTS_WAITING = "gapless_lora_requests_waiting"
+LORA_INFO = "gapless_lora_requests_info"
+
+
+def lora_info(families: dict[str, list]) -> Metric | None:
+    """vLLM's lora_requests_info shape, which inference gateways read for adapter-aware
+    routing: labels running_lora_adapters and waiting_lora_adapters (adapters with requests
+    running, waiting; comma separated) and max_lora; the value is the time it was made (now).
+    families: name -> samples of the series it is made from; None without adapters."""
+    maxima = families.get(LORA_MAX_ADAPTERS)
+    if not maxima:
+        return None
+
+    def names(name: str) -> str:
+        found = {s.labels["adapter"] for s in families.get(name, ()) if s.value > 0}
+        return ",".join(sorted(found))
+
+    info = Metric(LORA_INFO, "LoRA adapters with requests running and waiting, and --max-loras "
+                  "(vLLM's lora_requests_info labels); the value is when it was read", "gauge")  # fmt: skip
+    labels = {
+        "running_lora_adapters": names(LORA_REQUESTS_RUNNING),
+        "waiting_lora_adapters": names(LORA_REQUESTS_WAITING),
+        "max_lora": str(int(max(s.value for s in maxima))),
+    }
+    info.add_sample(LORA_INFO, labels, time.time())
+    return info
 
 
 class _View:
@@ -163,15 +192,22 @@ class _View:
         self.tenant = tenant
 
     def collect(self) -> Iterator[Metric]:
+        lora: dict[str, list] = {}  # what the LoRA info gauge is made from
         for family in self.source.collect():
             samples = family.samples
             if self.tenant is not None and family.name not in TENANT_VISIBLE:
                 samples = [s for s in samples if self._mine(s.labels.get("tenant"))]
                 if not samples:
                     continue
+            if family.name in (LORA_MAX_ADAPTERS, LORA_REQUESTS_RUNNING, LORA_REQUESTS_WAITING):
+                lora[family.name] = samples
             out = Metric(family.name, family.documentation, family.type, family.unit)
             out.samples = [s._replace(labels={**s.labels, **self.labels}) for s in samples]
             yield out
+        info = lora_info(lora)
+        if info is not None:
+            info.samples = [s._replace(labels={**s.labels, **self.labels}) for s in info.samples]
+            yield info
 
     def _mine(self, label: str | None) -> bool:
         # why not "other": that sample sums the tenants past the bound, whoever is named so
@@ -185,17 +221,16 @@ def render(
 ) -> bytes:
     """The text exposition: every process's files when multiprocess, else `registry`; with
     model_name, every series labelled `model_name` (as dashboards and gateways group them);
-    with tenant, only what that tenant may read (its own samples and TENANT_VISIBLE)."""
+    with tenant, only what that tenant may read (its own samples and TENANT_VISIBLE); with
+    adapters, the LoRA info gauge made from what it may read (lora_info)."""
     if registry is None:
         registry = CollectorRegistry()
         if os.environ.get(MULTIPROC_ENV):
             MultiProcessCollector(registry)
-    if model_name is not None or tenant is not None:
-        labels = {} if model_name is None else {"model_name": model_name}
-        view = CollectorRegistry(auto_describe=False)
-        view.register(_View(registry, labels, tenant))  # type: ignore[arg-type]
-        registry = view
-    return generate_latest(registry)
+    labels = {} if model_name is None else {"model_name": model_name}
+    view = CollectorRegistry(auto_describe=False)
+    view.register(_View(registry, labels, tenant))  # type: ignore[arg-type]
+    return generate_latest(view)
 
 
 class DetokenizerMetrics:

@@ -7,6 +7,7 @@ import numpy as np
 
 from gapless.common.messages import NewSlot, SamplingParams
 from gapless.core.kv_blocks import BlockManager, SlotManager
+from gapless.core.lora import LoraSeats
 from gapless.core.policy import Policy
 from gapless.core.prefix import PrefixCache
 from gapless.core.request import Request, Status
@@ -35,6 +36,7 @@ class Admission:
         policy: Policy,
         prefix: PrefixCache,
         max_num_seqs: int,
+        lora: LoraSeats | None = None,
     ) -> None:
         self.rb = rb
         self.blocks = blocks
@@ -42,6 +44,7 @@ class Admission:
         self.policy = policy
         self.prefix = prefix
         self.max_num_seqs = max_num_seqs
+        self.lora = lora  # whose adapter may take a seat; None: no adapters
         self.num_cached = 0  # tokens the last admit found in the prefix cache
 
     def admit(self, budget: int) -> tuple[list[NewSlot], np.ndarray, np.ndarray]:
@@ -56,6 +59,10 @@ class Admission:
             req = policy.peek()
             if req is None:
                 break
+            if self.lora is not None and not self.lora.admits(req.lora):
+                policy.remove(req)  # why: it must not hold the queue behind it
+                self.lora.hold(req)
+                continue
             total = req.num_tokens
             # a request whose prompt logprobs are still to come computes its whole prompt:
             # tokens taken from the cache are never scored
@@ -86,6 +93,8 @@ class Admission:
         req.started = True
         rb = self.rb
         rb.admit(req, self.slots.allocate())
+        if self.lora is not None:
+            self.lora.seated(req)
         self.blocks.take(hit)
         req.blocks = hit + self.blocks.allocate(num_new_blocks)
         req.num_named = len(hit)

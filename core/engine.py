@@ -21,6 +21,7 @@ from gapless.common.kv_events import Event, KvEventLog
 from gapless.common.messages import (
     QUEUE_STATE_INTERVAL_S,
     Abort,
+    AdapterRead,
     AddRequest,
     CoreInput,
     DetokInput,
@@ -29,9 +30,11 @@ from gapless.common.messages import (
     FrontendInput,
     GetStats,
     GetTimeline,
+    LoadLora,
     PrefixCacheReset,
     QueueState,
     ResetPrefixCache,
+    RunnerInput,
     SamplingParams,
     Shutdown,
     StepPlan,
@@ -40,7 +43,10 @@ from gapless.common.messages import (
     StreamEnded,
     Timeline,
     TokenBatch,
+    UnloadLora,
 )
+from gapless.core.lora_book import AdapterBook
+from gapless.core.lora_metrics import LoraMetrics
 from gapless.core.metrics import CoreMetrics
 from gapless.core.policy import make_policy
 from gapless.core.request import Request
@@ -61,6 +67,7 @@ class EngineOutputs:
     """What one call of `step` leaves to send, in order within each destination."""
 
     plans: list[StepPlan] = field(default_factory=list)  # to the runner
+    runner: list[RunnerInput] = field(default_factory=list)  # to the runner, before the plans
     detok: list[DetokInput] = field(default_factory=list)  # to the detokenizer
     frontend: list[tuple[int, FrontendInput]] = field(default_factory=list)  # (frontend id, msg)
     kv_events: list[Event] = field(default_factory=list)  # to routers (--kv-events-endpoint)
@@ -118,7 +125,11 @@ class EngineCore:
             speculative=config.speculative,
             num_speculative_tokens=config.num_speculative_tokens,
             step_costs=step_costs,
+            max_loras=config.max_loras if config.enable_lora else 0,
+            lora_ready=tuple(config.lora_modules),
         )
+        seats = self.scheduler.lora
+        self.adapters = AdapterBook(config, seats) if seats is not None else None
         self.inflight: deque[ScheduledStep] = deque()
         self.stall = StallWatch(config.stall_timeout_s)
         self.timeline = DeviceTimeline(config)
@@ -126,6 +137,10 @@ class EngineCore:
             known_tenants=tuple(config.tenants), replica=config.replica
         )
         self.metrics.cache_config(config.block_size, self.scheduler.blocks.num_usable)
+        self.lora_metrics = None
+        if seats is not None:
+            m = self.metrics
+            self.lora_metrics = LoraMetrics(m.registry, config.max_loras, m.tenant_label)
         self.shutdown = False
         self._out = EngineOutputs()
         self._ended: list[tuple[str, str, str]] = []  # (request id, end reason, error) to send
@@ -188,6 +203,8 @@ class EngineCore:
                 GetStats(frontend_id=fid)
                 | GetTimeline(frontend_id=fid)
                 | ResetPrefixCache(frontend_id=fid)
+                | LoadLora(frontend_id=fid)
+                | UnloadLora(frontend_id=fid)
             ) if not self._known(fid):
                 self.bad.report("unknown_frontend", f"{type(msg).__name__} for frontend {fid}")
             case GetStats(frontend_id=fid, token=token):
@@ -199,8 +216,29 @@ class EngineCore:
                 self._out.frontend.append((fid, reply))
             case ResetPrefixCache(frontend_id=fid, token=token):
                 self._out.frontend.append((fid, PrefixCacheReset(token, self.reset_prefix_cache())))
+            case LoadLora() | UnloadLora() if self.adapters is None:
+                self.bad.report("no_adapters", f"{type(msg).__name__} without --enable-lora")
+            case LoadLora():
+                self.adapters.load(msg)
+            case UnloadLora(name=name):
+                if self.adapters.unload(msg):
+                    self._end_waiting_of(name, "unloaded")
             case Shutdown():
                 self.shutdown = True
+
+    def adapter_read(self, msg: AdapterRead) -> None:
+        """The runner read an adapter into host memory, or could not."""
+        if self.adapters is None:
+            self.bad.report("no_adapters", "AdapterRead without --enable-lora")
+            return
+        for name in self.adapters.read(msg):
+            self._end_waiting_of(name, f"could not be read again: {msg.error}")
+
+    def _end_waiting_of(self, name: str, why: str) -> None:
+        """End the requests of adapter name that wait for a seat; running ones finish."""
+        waiting = [r for r in self.scheduler.waiting_requests() if r.lora == name]
+        for req in waiting:
+            self._end(req, "error", f"the LoRA adapter {name!r} {why}")
 
     def _known(self, frontend_id: int) -> bool:
         return 0 <= frontend_id < self.config.api_servers
@@ -291,6 +329,8 @@ class EngineCore:
         if out is not None or self._ended:
             self._out.detok.append(self._token_batch(out))
         self._plan_ahead()
+        if self.adapters is not None:
+            self._take_adapters()
         self.metrics.observe_queues(self.scheduler)
         if now - self._queue_checked_at >= QUEUE_STATE_INTERVAL_S:
             self._send_queue_state(now)
@@ -298,6 +338,21 @@ class EngineCore:
             self._out.kv_events = self.kv_events.take()
         outputs, self._out = self._out, EngineOutputs()
         return outputs
+
+    def _take_adapters(self) -> None:
+        """Reads for the adapters requests wait for; what the adapters' changes send."""
+        book = self.adapters
+        assert book is not None
+        if book.seats.held:
+            for name in book.want():
+                self._end_waiting_of(name, "is not loaded")
+        book.let_go()  # what the last read kept past --max-cpu-loras, once no request needs it
+        if book.runner:
+            self._out.runner += book.runner
+            book.runner = []
+        if book.frontend:
+            self._out.frontend += book.frontend
+            book.frontend = []
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (AllBlocksCleared to routers); False while any request
@@ -313,6 +368,9 @@ class EngineCore:
             if now - req.queued_at <= limit_s:
                 break
             expired.append(req)
+        seats = self.scheduler.lora
+        if seats is not None and seats.held:  # waiting aside for their adapter: as long a limit
+            expired += [r for r in seats.waiting() if not r.started and now - r.queued_at > limit_s]
         for req in expired:
             waited = now - req.queued_at
             why = f"waited {waited:.1f} s for a seat, longer than --max-queue-wait {limit_s:g} s"
@@ -338,6 +396,8 @@ class EngineCore:
         # why freed, not given: a fill of idle seats gives many and says nothing of the drain
         rate = sum(k for _, k in freed) / DRAIN_WINDOW_S
         self.metrics.observe_tenants(tenants, priorities, self.scheduler)
+        if self.lora_metrics is not None:
+            self.lora_metrics.observe(self.scheduler)
         last = self._queue_state
         if last is not None and (last.waiting, last.waiting_tokens) == (waiting, tokens):
             if last.tenant_waiting == tenants:

@@ -84,6 +84,7 @@ class CoreMetrics:
         replica: int = 0,
     ) -> None:
         r = registry
+        self.registry = registry  # None: the default one
         stage = stage_histogram(r)
         self.queue_wait = stage.labels("queue_wait")
         self.schedule = stage.labels("schedule")

@@ -11,6 +11,7 @@ from gapless.common.channel import Publisher, Receiver, Sender
 from gapless.common.config import EngineConfig
 from gapless.common.messages import (
     HEARTBEAT_INTERVAL_S,
+    AdapterRead,
     CoreInput,
     DetokInput,
     FrontendInput,
@@ -95,6 +96,8 @@ class CoreProcess:
         self.kv_events = kv_publisher(ctx, config, core) if core.kv_events is not None else None
 
     def send(self, out: EngineOutputs) -> None:
+        for msg in out.runner:
+            self.runner.send(msg)
         for plan in out.plans:
             self.runner.send(plan)
         for msg in out.detok:
@@ -134,6 +137,8 @@ class CoreProcess:
                         stats.num_tokens += len(result.token_ids)
                     case StepRefused() as result:  # its requests end with an error
                         pass
+                    case AdapterRead() as read:
+                        core.adapter_read(read)
                     case RunnerError(seq=seq, message=message) if core.is_inflight(seq):
                         raise RuntimeError(f"gpu_runner failed: {message}")
                     case RunnerReady() | RunnerError() as other:  # why: only at start, or stray

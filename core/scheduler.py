@@ -25,6 +25,7 @@ from gapless.common.messages import AddRequest, StepResult
 from gapless.core.admit import Admission
 from gapless.core.apply import Applier
 from gapless.core.kv_blocks import BlockManager, SlotManager
+from gapless.core.lora import LoraSeats
 from gapless.core.plan import Planner
 from gapless.core.policy import Policy
 from gapless.core.prefix import PrefixCache
@@ -60,6 +61,9 @@ class Scheduler:
         # the device's step time by tokens fed ([N] tokens, [N] seconds; RunnerReady): where
         # drafts make a step lose, fewer or none (core/spec_cost.py); None: always k
         step_costs: tuple[list[int], list[float]] | None = None,
+        # LoRA: adapters a step may mix (core/lora.py; 0: any number) and those read already
+        max_loras: int = 0,
+        lora_ready: tuple[str, ...] = (),
     ) -> None:
         self.speculative = speculative
         self.num_speculative_tokens = num_speculative_tokens
@@ -81,7 +85,9 @@ class Scheduler:
         self._num_added = 0
         self._scoring: set[Request] = set()  # requests holding prompt logprobs not yet sent
         p = self.policy
-        self.admission = Admission(self.rb, self.blocks, self.slots, p, self.prefix, max_num_seqs)
+        self.lora = LoraSeats(max_loras, lora_ready) if max_loras else None
+        self.admission = Admission(self.rb, self.blocks, self.slots, p, self.prefix, max_num_seqs,
+                                   self.lora)  # fmt: skip
         slide = WindowRelease(window, self.blocks, self.rb, self.prefix) if window else None
         self.spec_cost = SpecCost(*(step_costs or ([], [])))
         self.planner = Planner(
@@ -126,6 +132,8 @@ class Scheduler:
         """Requests waiting for a seat (preempted ones included), in no particular order."""
         yield from self.policy
         yield from self._parked
+        if self.lora is not None:
+            yield from self.lora.waiting()
 
     @property
     def waiting(self) -> list[Request]:
@@ -134,7 +142,8 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.policy) + len(self._parked)
+        held = self.lora.num_held if self.lora is not None else 0
+        return len(self.policy) + len(self._parked) + held
 
     @property
     def has_work(self) -> bool:
@@ -161,9 +170,13 @@ class Scheduler:
             self.policy.on_leave(req, req.limit - req.num_prompt - len(req.output_ids))
         elif req in self._parked:
             self._parked.remove(req)
+        elif self.lora is not None and self.lora.unhold(req):
+            pass
         else:
             self.policy.remove(req)
         req.status = Status.FINISHED
+        if self.lora is not None:
+            self.lora.finished(req)
         self._scoring.discard(req)
         if req.num_pending == 0:
             del self.requests[req.request_id]
@@ -185,6 +198,8 @@ class Scheduler:
         slot = req.slot
         computed, freed = int(self.rb.computed[slot]), int(self.rb.num_freed[slot])
         self.rb.release(slot)  # first: its output ids are a list on it from here
+        if self.lora is not None:
+            self.lora.left(req)
         self.prefix.leave(req, computed, freed)
         if freed:  # its first blocks went back already (out of a window)
             self.blocks.free(req.blocks[freed:], max(req.num_named - freed, 0))
@@ -212,6 +227,9 @@ class Scheduler:
     # ------------------------------------------------------------------ the two-method contract
 
     def schedule(self) -> ScheduledStep | None:
+        if self.lora is not None and self.lora.held:
+            for req in self.lora.release():  # their adapter may take a seat again
+                self.policy.add(req)
         if self.policy.ranks_by_priority:
             self._preempt_for_priority()
         if self.running and not (self.policy and len(self.running) < self.max_num_seqs):

@@ -16,6 +16,7 @@ from prometheus_client import CONTENT_TYPE_PLAIN_0_0_4
 from gapless.common import metrics as core_metrics
 from gapless.common.lora import visible_adapters
 from gapless.common.messages import HEARTBEAT_TIMEOUT_S, KEEP_STEPS
+from gapless.frontend.api import lora_routes
 from gapless.frontend.api.chat import handle_chat
 from gapless.frontend.api.completions import handle_completions
 from gapless.frontend.api.embeddings import handle_embeddings
@@ -48,6 +49,7 @@ Handler = Callable[[HttpRequest, Responder, Caller], Awaitable[None]]
 # --metrics-require-key takes /metrics out (it shows every tenant's name and traffic)
 OPEN_PATHS = frozenset({"/health", "/live", "/metrics"})
 MODEL_PREFIX = "/v1/models/"
+LORA_TIMEOUT_S = 60.0  # s: a load waits for the runner to read the adapter's files
 RESPONSE_PREFIX = "/v1/responses/"  # GET and DELETE {id}, GET {id}/input_items
 
 
@@ -81,6 +83,9 @@ class App:
             "/detokenize": {"POST": self._detokenize},
             "/version": {"GET": self._version},
         }
+        if state.config.lora_dirs:  # loading adapters at run time (docs/lora.md)
+            self.routes["/v1/load_lora_adapter"] = {"POST": self._load_lora}
+            self.routes["/v1/unload_lora_adapter"] = {"POST": self._unload_lora}
         self._version_body = version()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -146,14 +151,16 @@ class App:
     async def _models(self, req: HttpRequest, out: Responder, caller: Caller) -> None:
         """The served model, then each LoRA adapter the caller may name (common/lora.py)."""
         config = self.state.config
-        names = [config.served_model_name, *visible_adapters(config, caller.tenant)]
+        loaded = visible_adapters(config, caller.tenant, self.state.engine.lora_names)
+        names = [config.served_model_name, *loaded]
         await out.json(200, ModelList(data=[self._card(name) for name in names]))
 
     async def _model(self, req: HttpRequest, out: Responder, caller: Caller) -> None:
         """GET /v1/models/{id}: the served model's card or a visible adapter's, else 404."""
         config = self.state.config
         name = unquote(req.path[len(MODEL_PREFIX) :])
-        if name != config.served_model_name and name not in visible_adapters(config, caller.tenant):
+        loaded = visible_adapters(config, caller.tenant, self.state.engine.lora_names)
+        if name != config.served_model_name and name not in loaded:
             raise ApiError(
                 404, f"the model `{name}` does not exist", param="model", code="model_not_found"
             )
@@ -210,6 +217,21 @@ class App:
             raise ApiError(409, f"replicas {[k for k, d in enumerate(done) if not d]} hold "
                            "requests' KV blocks; reset when idle", code="engine_busy")  # fmt: skip
         await out.json(200, {"reset": done})
+
+    async def _load_lora(self, req: HttpRequest, out: Responder, caller: Caller) -> None:
+        """Every replica loads the adapter (frontend/api/lora_routes.py)."""
+        _check_admin(caller, req.path)
+        name, path = await lora_routes.read_load(self.state, req)
+        answers = await _from_engine(self.state.engine.load_lora(name, path, LORA_TIMEOUT_S))
+        await lora_routes.answer(out, answers, f"LoRA adapter '{name}' added successfully.")
+
+    async def _unload_lora(self, req: HttpRequest, out: Responder, caller: Caller) -> None:
+        """Every replica unloads the adapter: its running requests finish, its waiting ones
+        end with an error naming it."""
+        _check_admin(caller, req.path)
+        name = await lora_routes.read_unload(self.state, req)
+        answers = await _from_engine(self.state.engine.unload_lora(name, LORA_TIMEOUT_S))
+        await lora_routes.answer(out, answers, f"LoRA adapter '{name}' removed successfully.")
 
     async def _engine_stats(self, req: HttpRequest, out: Responder, caller: Caller) -> None:
         """A core's queues and KV blocks right now (replica 0's, or `?replica=K`'s)."""

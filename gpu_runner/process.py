@@ -5,12 +5,15 @@ from __future__ import annotations
 import time
 import traceback
 from collections import deque
+from typing import TYPE_CHECKING
 
 import zmq
 
 from gapless.common.channel import Receiver, Sender, Subscriber
 from gapless.common.config import EngineConfig
 from gapless.common.messages import (
+    DropAdapter,
+    ReadAdapter,
     RunnerInput,
     RunnerOutput,
     RunnerReady,
@@ -28,7 +31,11 @@ from gapless.common.process import (
 from gapless.gpu_runner.cpu.threads import set_wait_policy
 from gapless.gpu_runner.plan_check import PlanCheck
 
+if TYPE_CHECKING:
+    from gapless.gpu_runner.lora.reader import AdapterReader
+
 IDLE_POLL_S = 0.1
+READ_POLL_S = 0.005  # s: how often an idle loop looks whether an adapter's read has ended
 
 
 def _until_ready(backend, step) -> float:
@@ -43,6 +50,19 @@ class _NoResults:
 
     def close(self) -> None:
         pass
+
+
+def _adapter_reader(config: EngineConfig, backend) -> AdapterReader | None:
+    """What reads adapters at run time for this runner (--enable-lora), else None."""
+    if not config.enable_lora:
+        return None
+    from gapless.common.model_files import load_arch
+    from gapless.gpu_runner.lora.reader import AdapterReader
+
+    executor = getattr(backend, "executor", None)
+    stack = getattr(executor, "lora", None)
+    arch = getattr(backend, "arch", None) or load_arch(config.model)
+    return AdapterReader(arch, config.max_lora_rank, stack)
 
 
 def run_gpu_runner(config: EngineConfig, rank: int = 0) -> None:
@@ -78,12 +98,19 @@ def run_gpu_runner(config: EngineConfig, rank: int = 0) -> None:
             control.ready(num_kv_blocks=backend.num_blocks, **getattr(backend, "ready_info", {}))
         inflight: deque = deque()
         busy = rank_busy_counter(config.replica, rank)
+        reader = _adapter_reader(config, backend)
         while not stop_requested():
             # 1. launch every plan that is waiting; wait for one no longer than the oldest
             #    step has left, so no plan waits while the device runs and nothing is late
             wait_s = _until_ready(backend, inflight[0]) if inflight else IDLE_POLL_S
+            if reader is not None and reader.busy:
+                wait_s = min(wait_s, READ_POLL_S)
             if plans.wait(wait_s):
                 for msg in plans.drain():
+                    if isinstance(msg, ReadAdapter | DropAdapter):
+                        assert reader is not None, "an adapter without --enable-lora"
+                        reader.handle(msg)
+                        continue
                     if isinstance(msg, Shutdown):
                         if config.num_ranks > 1:
                             from gapless.gpu_runner.tensor_parallel import leave_group
@@ -101,7 +128,10 @@ def run_gpu_runner(config: EngineConfig, rank: int = 0) -> None:
                         inflight.append(StepRefused(msg.seq, why))
             elif not inflight and isinstance(plans, Subscriber) and plans.lost():
                 raise RuntimeError("the core's plans stopped: host 0's engine is gone")
-            # 2. publish the oldest step once its ids are on the host
+            # 2. adapters read since: kept between steps, announced to the core
+            for answer in reader.finished() if reader is not None else ():
+                results.send(answer)
+            # 3. publish the oldest step once its ids are on the host
             if inflight and _until_ready(backend, inflight[0]) <= 0:
                 step = inflight.popleft()
                 if isinstance(step, StepRefused):

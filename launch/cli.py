@@ -270,7 +270,7 @@ def config_from_args(
         tenants=tenants,
         **flags,
     )
-    config = with_lora(config, args.lora_modules)
+    config = with_lora(config, args.lora_modules, args.lora_dir)
     check_tensor_parallel(config)
     check_data_parallel(config)
     size = len(encode_config(config).encode())

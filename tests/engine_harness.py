@@ -65,6 +65,13 @@ class Harness:
         self.deltas: dict[str, list[TextDelta]] = {}  # what the frontend would receive
         self.steps = 0
         self.max_inflight = 0
+        self.reader = None  # reads adapters at run time, as the runner process does
+        if config.enable_lora:
+            from gapless.common.model_files import load_arch
+            from gapless.gpu_runner.lora.reader import AdapterReader
+
+            stack = getattr(getattr(self.backend, "executor", None), "lora", None)
+            self.reader = AdapterReader(load_arch(config.model), config.max_lora_rank, stack)
 
     @property
     def scheduler(self) -> Scheduler:
@@ -98,18 +105,32 @@ class Harness:
             )
         )
 
-    def run(self, arrivals: Arrivals | None = None, aborts: dict[int, list[str]] | None = None):
-        """Steps until every request ended; aborts[k] are sent before step k."""
+    def run(
+        self,
+        arrivals: Arrivals | None = None,
+        aborts: dict[int, list[str]] | None = None,
+        messages: dict[int, list] | None = None,
+    ):
+        """Steps until every request ended; aborts[k] and messages[k] (CoreInputs) are sent
+        before step k."""
         arrivals, aborts = dict(arrivals or {}), dict(aborts or {})
+        messages = dict(messages or {})
         inflight: deque = deque()
         result = None
-        while arrivals or aborts or inflight or self.core.has_work or result is not None:
+        while (arrivals or aborts or messages or inflight or self.core.has_work
+               or result is not None or self.reading):  # fmt: skip
+            for msg in messages.pop(self.steps, []):
+                self.core.handle(msg)
             for arrival in arrivals.pop(self.steps, []):
                 self.add(*arrival)
             if self.steps in aborts:
                 self.core.handle(Abort(aborts.pop(self.steps)))
+            self.take_reads(wait=not inflight and not self.core.has_work)
             out = self.core.step(result)
             self.backlogged.append({r.tenant for r in self.scheduler.waiting})
+            for msg in out.runner:
+                assert self.reader is not None
+                self.reader.handle(msg)
             for plan in out.plans:  # launched in order as they come, as the runner process does
                 inflight.append(self.backend.launch(plan))
             self.max_inflight = max(self.max_inflight, len(inflight))
@@ -122,6 +143,22 @@ class Harness:
             self.steps += 1
             assert self.steps < 10_000, "engine made no progress"
         return self.outputs
+
+    @property
+    def reading(self) -> bool:
+        """An adapter is being read, or requests wait for theirs to be."""
+        lora = self.scheduler.lora
+        return self.reader is not None and (self.reader.busy or bool(lora and lora.held))
+
+    def take_reads(self, wait: bool) -> None:
+        """Hand the core the adapters read since; with wait, wait for one first (nothing
+        else can move)."""
+        if self.reader is None:
+            return
+        if wait and self.reader.busy:
+            self.reader.wait(timeout_s=30.0)
+        for answer in self.reader.finished():
+            self.core.adapter_read(answer)
 
     def _detokenize(self, msg) -> None:
         if isinstance(msg, DetokNew):

@@ -35,6 +35,7 @@ from gapless.common.sampling_ranges import (
 )
 from gapless.frontend.api import responses_openapi
 from gapless.frontend.api.embeddings import EMBEDDINGS_PATH, embedding_rules, embedding_types
+from gapless.frontend.api.lora_routes import LoadLoraBody, UnloadLoraBody
 from gapless.frontend.api.params import MAX_CACHE_SALT_CHARS, MAX_LOGIT_BIAS
 from gapless.frontend.api.protocol import ChatCompletionRequest, CompletionRequest
 from gapless.frontend.api.replies import (
@@ -309,6 +310,23 @@ def _operations(paths: dict[str, Any]) -> None:
     paths["/tokenize"]["post"]["responses"]["200"]["links"] = {"text": text}
 
 
+def _lora_routes(doc: dict[str, Any]) -> None:
+    """POST /v1/load_lora_adapter and /v1/unload_lora_adapter (with --lora-dir)."""
+    _, schemas = msgspec.json.schema_components([LoadLoraBody, UnloadLoraBody], ref_template=_REF)
+    doc["components"]["schemas"].update(schemas)
+    for path, body, summary, operation_id in (
+        ("/v1/load_lora_adapter", "LoadLoraBody", "load a LoRA adapter from under --lora-dir",
+         "loadLoraAdapter"),
+        ("/v1/unload_lora_adapter", "UnloadLoraBody", "unload a LoRA adapter",
+         "unloadLoraAdapter"),
+    ):  # fmt: skip
+        route = _post(body, "ErrorResponse", f"{summary} (the admin key)", 400, 401, 403, 404, 503)
+        route["post"]["operationId"] = operation_id
+        ok = {"text/plain": {"schema": {"type": "string"}}}
+        route["post"]["responses"]["200"]["content"] = ok
+        doc["paths"][path] = route
+
+
 def openapi_document(
     title: str, version: str, config: EngineConfig | None = None
 ) -> dict[str, Any]:
@@ -416,6 +434,8 @@ def openapi_document(
         },
         "components": {"schemas": components},
     }
+    if config is not None and config.lora_dirs:
+        _lora_routes(doc)
     _operations(doc["paths"])
     if config is None or config.api_key or config.api_keys or config.admin_api_key:
         doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}

@@ -38,11 +38,14 @@ def check_model(model: str | None, config: EngineConfig) -> None:
         )
 
 
-def check_adapter_model(model: str | None, config: EngineConfig, tenant: str) -> str:
+def check_adapter_model(
+    model: str | None, config: EngineConfig, tenant: str, loaded: list[str] | None = None
+) -> str:
     """The LoRA adapter a generation request names ("" : the served model); 404 unless it
-    names the served model or an adapter its tenant may use (common/lora.py), so another
-    tenant's adapter reads as a model that does not exist."""
-    lora = adapter_of(model, config, tenant)
+    names the served model or an adapter loaded now (`loaded`, None: --lora-modules') that
+    its tenant may use (common/lora.py), so another tenant's adapter reads as a model that
+    does not exist."""
+    lora = adapter_of(model, config, tenant, loaded)
     if lora is None:
         raise ApiError(404, f"the model `{model}` does not exist", param="model",
                        code="model_not_found")  # fmt: skip

@@ -109,7 +109,7 @@ class Prelude(Generic[B]):
         body = decode_body(route.decoder, raw)
         check_fields(raw, route.name, route.known, route.refused)
         tenant = tenant_of(caller, req.headers.get("x-tenant"), body.user)
-        lora = check_adapter_model(body.model, config, tenant)
+        lora = check_adapter_model(body.model, config, tenant, state.engine.lora_names)
         n = check_n(body.n, config)
         asked, budget_name = route.budget(body)
         max_tokens = check_max_tokens(asked, budget_name, config)

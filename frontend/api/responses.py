@@ -223,7 +223,7 @@ async def handle_responses(
     check_fields(raw, "responses", _KNOWN, RESPONSES_REFUSED)
     _check_unsupported(body)
     tenant = tenant_of(caller, req.headers.get("x-tenant"), body.user)
-    lora = check_adapter_model(body.model, config, tenant)
+    lora = check_adapter_model(body.model, config, tenant, state.engine.lora_names)
     store = state.responses
     keep = store is not None and body.store is not False
     context = [*await previous_context(store, body.previous_response_id, tenant),

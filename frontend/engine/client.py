@@ -29,11 +29,14 @@ from gapless.common.messages import (
     GetStats,
     GetTimeline,
     Heartbeat,
+    LoadLora,
+    LoraAdapters,
     PrefixCacheReset,
     QueueState,
     ResetPrefixCache,
     TextDeltas,
     Timeline,
+    UnloadLora,
 )
 from gapless.common.process import CORE_IN, frontend_socket
 from gapless.frontend.engine.inbox import Inbox, coalesced
@@ -97,6 +100,9 @@ class EngineClient:
         self._heartbeats = [time.monotonic()] * len(self._sends)
         # of each replica's last heartbeat: (seconds a step's result is overdue, usual seconds)
         self._stalls = [(0.0, 0.0)] * len(self._sends)
+        # the LoRA adapters served now, as the cores last said; None: --lora-modules' (no
+        # adapter loaded or unloaded since start)
+        self.lora_names: list[str] | None = None
 
     def next_request_id(self) -> str:
         return f"{self.frontend_id}-{next(self._counter)}"
@@ -161,6 +167,12 @@ class EngineClient:
                 self._stalls[replica] = (msg.stalled_s, msg.usual_s)
             case EngineDead(reason=reason):
                 self._mark_dead(reason)
+            case LoraAdapters(names=names, token=token):
+                self.lora_names = names
+                if token >= 0:
+                    waiter = self._replies.pop(token, None)
+                    if waiter is not None and not waiter.done():
+                        waiter.set_result(msg)
             case EngineStats(token=token) | Timeline(token=token) | PrefixCacheReset(token=token):
                 waiter = self._replies.pop(token, None)
                 if waiter is not None and not waiter.done():
@@ -261,6 +273,22 @@ class EngineClient:
         return await self._ask(
             lambda token: ResetPrefixCache(self.frontend_id, token), timeout_s, replica
         )
+
+    async def load_lora(self, name: str, path: str, timeout_s: float) -> list[LoraAdapters]:
+        """Every replica's core loads the adapter; their answers."""
+        asks = [
+            self._ask(lambda token: LoadLora(self.frontend_id, token, name, path), timeout_s, k)
+            for k in range(len(self._sends))
+        ]
+        return await asyncio.gather(*asks)
+
+    async def unload_lora(self, name: str, timeout_s: float) -> list[LoraAdapters]:
+        """Every replica's core unloads the adapter; their answers."""
+        asks = [
+            self._ask(lambda token: UnloadLora(self.frontend_id, token, name), timeout_s, k)
+            for k in range(len(self._sends))
+        ]
+        return await asyncio.gather(*asks)
 
     async def get_timeline(self, last: int, timeout_s: float = 2.0, replica: int = 0) -> Timeline:
         return await self._ask(

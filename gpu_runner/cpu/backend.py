@@ -124,17 +124,17 @@ class CpuBackend:
         return model.eval()
 
     def _load_adapters(self) -> LoraStack | None:
-        """--lora-modules resident on the model, in float32 whatever its dtype (docs/lora.md)."""
+        """The adapter stack on the model, --lora-modules read into host memory, in float32
+        whatever its dtype (docs/lora.md)."""
         config = self.config
         if not (config.enable_lora or config.lora_modules):
             return None
         assert self.tp is None, "LoRA adapters with tensor parallelism are not supported yet"
-        capacity = max(config.max_loras, len(config.lora_modules))
-        stack = LoraStack(self.model, self.arch, capacity, config.max_lora_rank,
+        stack = LoraStack(self.model, self.arch, config.max_loras, config.max_lora_rank,
                           config.max_num_seqs)  # fmt: skip
         for name, path in config.lora_modules.items():
-            stack.add(load_adapter(name, path, self.arch, config.max_lora_rank))
-            log.info("LoRA adapter %s resident", name)
+            stack.keep(load_adapter(name, path, self.arch, config.max_lora_rank))
+            log.info("LoRA adapter %s read", name)
         return stack
 
     def _attention(self, batch: PersistentBatch) -> TorchAttention:

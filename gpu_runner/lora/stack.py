@@ -1,7 +1,9 @@
 """Resident adapters on the model: each projection wrapped by a LoraProjection that holds
 every resident adapter's pair for it, and the per-slot adapter index the step context reads.
 
-Stack index 0 is the base (no adapter); adapters take 1..max_loras. A fused projection
+Stack index 0 is the base (no adapter); adapters take 1..max_loras. Adapters read into host
+memory (`keep`) become resident when a slot names one (`bind`), in an entry no slot uses: the
+core seats requests of at most max_loras adapters at once, so one is always there. A fused projection
 (q/k/v, gate/up) holds its parts' pairs side by side: A's rows are the parts' ranks in order
 (max_rank each) and B is block-diagonal, so one product serves every part and a part an
 adapter leaves out adds zeros. The scale is folded into B. Adapters stay in float32 whatever
@@ -73,6 +75,7 @@ class LoraStack:
     def __init__(self, model: nn.Module, arch, max_loras: int, max_rank: int,
                  max_slots: int) -> None:  # fmt: skip
         self.max_loras = max_loras
+        self.host: dict[str, Adapter] = {}  # adapters read, by name: what `bind` may make resident
         self.names: list[str | None] = [None] * (max_loras + 1)  # stack index -> adapter
         self.slot_adapter = np.zeros(max_slots, dtype=np.int64)  # [slots] stack index, 0 base
         self.slot_adapter_t = torch.zeros(max_slots, dtype=torch.long)
@@ -97,26 +100,37 @@ class LoraStack:
     def index(self, name: str) -> int | None:
         return self.names.index(name) if name in self.names else None
 
+    def keep(self, adapter: Adapter) -> None:
+        """adapter is in host memory (replacing one of its name): a slot may name it."""
+        self.drop(adapter.name)
+        self.host[adapter.name] = adapter
+
+    def drop(self, name: str) -> None:
+        """Forget adapter name; slots bound to it keep its entry until they are freed."""
+        self.host.pop(name, None)
+        index = self.index(name)
+        if index is not None:
+            self.names[index] = None
+
     def add(self, adapter: Adapter) -> int:
-        """Make adapter resident; its stack index."""
+        """Make adapter resident in an entry no slot uses (an empty one first); its index."""
         assert adapter.name not in self.names, f"adapter {adapter.name} is resident already"
-        free = [i for i, n in enumerate(self.names) if i and n is None]
-        assert free, "no free adapter entry"
-        index = free[0]
+        used = set(self.slot_adapter.tolist())
+        free = [i for i in range(1, len(self.names)) if i not in used]
+        assert free, f"no adapter entry free for {adapter.name}: the core seats at most max_loras"
+        index = min(free, key=lambda i: self.names[i] is not None)
         for layer in self.layers.values():
             layer.set(index, [adapter.modules.get(part) for part, _ in layer.parts])
         self.names[index] = adapter.name
         return index
 
-    def remove(self, name: str) -> None:
-        index = self.index(name)
-        assert index is not None and not (self.slot_adapter == index).any(), name
-        self.names[index] = None
-
     def bind(self, slot: int, name: str) -> None:
-        """The slot's rows use adapter name ("" : the base) from its next step."""
+        """The slot's rows use adapter name ("" : the base) from its next step, made resident
+        from host memory if it is not."""
         index = 0 if not name else self.index(name)
-        assert index is not None, f"adapter {name!r} is not resident"
+        if index is None:
+            assert name in self.host, f"adapter {name!r} was never read"
+            index = self.add(self.host[name])
         self.slot_adapter[slot] = index
         self.slot_adapter_t[slot] = index
 

@@ -20,12 +20,15 @@ from gapless.common.messages import (
     AddRequest,
     CoreInput,
     EngineDead,
+    LoadLora,
+    LoraAdapters,
     QueueState,
     SamplingParams,
     TextDelta,
     TextDeltas,
     TokenLogprob,
     TopLogprob,
+    UnloadLora,
 )
 from gapless.frontend.api.stream import Job, RequestStream
 from gapless.frontend.engine.client import EngineClient
@@ -94,6 +97,8 @@ class FakeEngine(EngineClient):
         self.held: Callable[[str], bool] = lambda request_id: True
         self.script: list[str] | None = None  # when set: the deltas' texts, then "stop"
         self._tasks: dict[str, asyncio.Task[None]] = {}
+        self.lora_error = ""  # when set: a LoadLora is refused with it, as a core's bad adapter
+        self.lora_loads: list[LoadLora] = []
 
     def _receive(self, msg: CoreInput) -> None:
         match msg:
@@ -102,6 +107,19 @@ class FakeEngine(EngineClient):
                 task = asyncio.get_running_loop().create_task(self._answer(msg))
                 self._tasks[rid] = task
                 task.add_done_callback(lambda _, rid=rid: self._tasks.pop(rid, None))
+            case LoadLora(token=token, name=name):  # as the core answers, the set to all
+                self.lora_loads.append(msg)
+                names = list(self.lora_names or [])
+                if self.lora_error:
+                    self.dispatch(LoraAdapters(names, token, self.lora_error, 400))
+                else:
+                    self.dispatch(LoraAdapters([*names, name], token))
+            case UnloadLora(token=token, name=name):
+                names = list(self.lora_names or [])
+                if name not in names:
+                    self.dispatch(LoraAdapters(names, token, f"lora_name: no {name!r}", 404))
+                else:
+                    self.dispatch(LoraAdapters([n for n in names if n != name], token))
             case Abort(request_ids=ids):
                 self.aborted.extend(ids)
                 for rid in ids:

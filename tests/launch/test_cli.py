@@ -107,7 +107,9 @@ FLAGS = {
     "--enable-lora": "off",
     "--max-loras MAX_LORAS": "1",
     "--max-lora-rank MAX_LORA_RANK": "16",
+    "--max-cpu-loras MAX_CPU_LORAS": "every loaded one",
     "--lora-modules NAME=PATH": "none",
+    "--lora-dir ROOT": "no loading at run time",
 }
 WIDE = "1000"  # columns, so no help line wraps
 

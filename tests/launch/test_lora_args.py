@@ -6,6 +6,7 @@ stop the start with the reason."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -77,3 +78,26 @@ def test_a_malformed_module_is_a_usage_error(adapter, capsys):
     with pytest.raises(SystemExit):
         serve_config("--model", str(model), "--lora-modules", "no-path")
     assert "expected NAME=PATH" in capsys.readouterr().err
+
+
+def test_lora_dir_needs_an_admin_key(adapter, tmp_path):
+    """Loading at run time from --lora-dir is refused at start unless an admin key guards it
+    (without keys every caller is admin); its roots are kept with links resolved, and the keys
+    file may then name adapters that will be loaded later."""
+    model, path = adapter
+    os.symlink(path.parent, tmp_path / "link")
+    flags = ("--model", str(model), "--lora-dir", str(tmp_path / "link"))
+    (tmp_path / "keys.json").write_text(json.dumps({"sk-a": "a"}))
+    with pytest.raises(ValueError, match="--lora-dir: .* needs an admin key"):
+        serve_config(*flags, "--api-keys-file", str(tmp_path / "keys.json"))
+    (tmp_path / "keys.json").write_text(json.dumps(
+        {"sk-a": {"tenant": "a", "lora_adapters": ["later"]}, "sk-ops": {"tenant": "ops",
+         "admin": True}}))  # fmt: skip
+    config = serve_config(*flags, "--api-keys-file", str(tmp_path / "keys.json"),
+                          "--max-cpu-loras", "2")  # fmt: skip
+    assert config.lora_dirs == (os.path.realpath(path.parent),) and config.enable_lora
+    assert config.max_cpu_loras == 2
+    config = serve_config(*flags, "--admin-api-key", "root", "--lora-dir", str(path))
+    assert config.lora_dirs == (os.path.realpath(path.parent), os.path.realpath(path))
+    with pytest.raises(ValueError, match="not a directory"):
+        serve_config("--model", str(model), "--admin-api-key", "k", "--lora-dir", "/nowhere")
