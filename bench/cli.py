@@ -12,6 +12,7 @@ bench connections --idle 20000 --slowloris 100 --launch -- --device sim   (held 
 bench route --groups 12 --prefix 512 -- --device sim   (KV-event routing vs round robin, two servers)
 bench kv-stall --streams 256 --seconds 10 -- --device sim   (a KV event subscriber that stops reading)
 bench embeddings --launch -- --device cpu   (/v1/embeddings: 64 inputs x 128 tokens, inputs/s)
+bench spec-exact --draft-model DIR -- --model DIR   (speculation's tokens against off's, in process)
 """
 
 from __future__ import annotations
@@ -224,6 +225,10 @@ def main(argv: list[str] | None = None) -> None:
         from gapless.bench.spec_cost import main as spec_cost_main
 
         sys.exit(spec_cost_main(argv[1:]))
+    if argv[:1] == ["spec-exact"]:
+        from gapless.bench.spec_exact import main as spec_exact_main
+
+        sys.exit(spec_exact_main(argv[1:]))
     if argv[:1] == ["plot"]:
         args = build_plot_parser().parse_args(argv[1:])
         from gapless.bench.figures import plot_saved

@@ -149,14 +149,25 @@ class EngineConfig(msgspec.Struct, frozen=True, kw_only=True):
         ),
     ] = True
     speculative: Annotated[
-        Literal["off", "ngram", "suffix"],
+        Literal["off", "ngram", "suffix", "draft"],
         msgspec.Meta(
             description="speculative decoding: ngram drafts each decoding request's next "
             "tokens from its own prompt and output (prompt lookup) and verifies them in one "
             "step, output unchanged; suffix also from its tenant's recent requests (never "
-            "another tenant's); a request's `prediction` drafts whatever this says"
+            "another tenant's); draft from --speculative-model, run beside the model (cpu "
+            "only); a request's `prediction` drafts whatever this says"
         ),
     ] = "off"
+    speculative_model: Annotated[
+        str | None,
+        msgspec.Meta(
+            description="the draft model of --speculative draft: a Hugging Face directory, "
+            "Hub id or .gguf file of a family gapless serves, with the model's vocabulary",
+            extra={"metavar": "PATH"},
+        ),
+    ] = None
+    # --speculative-model resolved at start (launch/speculative_config.py)
+    draft_model: Annotated[ModelInfo | None, NOT_A_FLAG] = None
     num_speculative_tokens: Annotated[
         int,
         msgspec.Meta(

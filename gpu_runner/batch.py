@@ -153,15 +153,32 @@ class PersistentBatch:
         """Copy the prepared rows to the device table, on the current stream."""
         self.staging.upload(inp.num_rows)
 
+    def append_blocks(self, plan: StepPlan) -> None:
+        """Append each entry's new blocks after the ones the slot already has."""
+        if not plan.new_blocks:
+            return
+        slots = np.asarray(plan.slots, dtype=np.int64)  # [B]
+        nb = np.asarray(plan.num_new_blocks, dtype=np.int64)  # [B]
+        if len(plan.new_blocks) == plan.num_new_blocks.count(1):  # decodes: one at most
+            rows = slots[nb == 1]
+            self.block_table[rows, self.num_blocks[rows]] = plan.new_blocks
+        else:
+            rows = np.repeat(slots, nb)
+            offs = np.arange(nb.sum()) - np.repeat(np.cumsum(nb) - nb, nb)
+            self.block_table[rows, self.num_blocks[rows] + offs] = plan.new_blocks
+        self.num_blocks[slots] += nb  # a plan names each slot once
+
     def prepare(
         self,
         plan: StepPlan,
         pad: bool = True,
         scored_until: np.ndarray | None = None,
         drafts: list[list[int]] | None = None,
+        blocks_appended: bool = False,
     ) -> StepInputs:
         """Fill the host table for one step and describe it; pad a decode-only batch to its
-        capture size when `pad`. upload() then moves the rows to the device.
+        capture size when `pad`. upload() then moves the rows to the device. blocks_appended:
+        append_blocks(plan) was called already (before a draft model wrote its KV).
 
         scored_until [max_slots]: a fed row at position p of a slot whose prompt logprobs are
         asked is scored (its logits kept, for the token at p + 1) while p + 1 < scored_until.
@@ -181,17 +198,8 @@ class PersistentBatch:
             assert (self.length[slots][own] >= start[own]).all(), "a slot behind its plan"
             start = np.where(own, self.length[slots], start)
 
-        # block tables: append each entry's new blocks after the ones the slot already has
-        if plan.new_blocks:
-            nb = np.asarray(plan.num_new_blocks, dtype=np.int64)  # [B]
-            if len(plan.new_blocks) == plan.num_new_blocks.count(1):  # decodes: one at most
-                rows = slots[nb == 1]
-                self.block_table[rows, self.num_blocks[rows]] = plan.new_blocks
-            else:
-                rows = np.repeat(slots, nb)
-                offs = np.arange(nb.sum()) - np.repeat(np.cumsum(nb) - nb, nb)
-                self.block_table[rows, self.num_blocks[rows] + offs] = plan.new_blocks
-            self.num_blocks[slots] += nb  # a plan names each slot once
+        if not blocks_appended:
+            self.append_blocks(plan)
 
         # per token: entry, position, cache row
         b = len(slots)

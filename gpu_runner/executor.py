@@ -37,6 +37,7 @@ from gapless.gpu_runner.batch import (
     StepInputs,
 )
 from gapless.gpu_runner.device import DeviceParts
+from gapless.gpu_runner.draft_model import DraftModel
 from gapless.gpu_runner.graph import DecodeGraphs, capture_sizes
 from gapless.gpu_runner.kv_cache import KVCache, make_kv_cache
 from gapless.gpu_runner.lora.stack import LoraStack
@@ -120,6 +121,8 @@ class StepExecutor:
         self.prompts = PromptScores(slots, config.max_logprobs)
         self.pooler = Pooler(slots, arch.hidden_size, self.device)
         self.drafts = Drafts(slots)
+        self.draft: DraftModel | None = None  # --speculative draft's model (the backend's)
+        self.draft_q: dict[int, torch.Tensor] = {}  # slot -> [d, V] q of its drafts this step
         self.last_seq = 0
         self.lora: LoraStack | None = None  # resident LoRA adapters (the backend's)
         self.plan_slots: list[int] = []  # the step's entries' slots
@@ -230,6 +233,8 @@ class StepExecutor:
             self.num_logprobs[new.slot] = -1 if lp is None else min(lp, self.config.max_logprobs)
             self.prompts.add(new)
             self.pooler.add(new.slot, new.params.pooling, new.num_prompt_tokens)
+            if self.draft is not None:
+                self.draft.reset(new.slot)
             if new.draft_method:
                 self.drafts.add(
                     new.slot, new.draft_method, new.prediction, new.cached_ids, new.tenant
@@ -239,7 +244,8 @@ class StepExecutor:
         """Host work: the static table (not yet uploaded) and the attention plan. A step with
         a pooling slot runs unpadded (its rows are the plan's tokens, in order)."""
         self.grammar.feed_plan(plan)
-        drafts = None
+        drafts, self.draft_q = None, {}
+        self.batch.append_blocks(plan)  # why first: a draft model writes KV into new blocks
         if self.drafts.active.any():
             drafts = self._draft(plan)
         inp = self.batch.prepare(
@@ -247,6 +253,7 @@ class StepExecutor:
             pad=self.use_graphs and not pooling,
             scored_until=self.prompts.asked(),
             drafts=drafts,
+            blocks_appended=True,
         )
         meta = self.attn.build(inp.layout, self.batch.column(SLOT_MAPPING, inp.num_rows))
         return inp, meta
@@ -262,10 +269,35 @@ class StepExecutor:
                 at += n
         if not plan.num_draft:
             return None
-        return [
+        out = [
             drafts.propose(slot, k) if k else []
             for slot, k in zip(plan.slots, plan.num_draft, strict=True)
         ]
+        if self.draft is not None:
+            self._draft_model(plan, out)
+        return out
+
+    def _draft_model(self, plan: StepPlan, out: list[list[int]]) -> None:
+        """The draft model's drafts for its entries of the plan, into out [B]; q of each
+        sampled row's drafts into draft_q, by slot (gpu_runner/verify.py reads them)."""
+        assert self.draft is not None
+        entries = [
+            j
+            for j, (slot, k) in enumerate(zip(plan.slots, plan.num_draft, strict=True))
+            if k and self.drafts.method[slot] == "draft"
+        ]
+        if not entries:
+            return
+        slots = np.asarray([plan.slots[j] for j in entries], np.int64)
+        known = np.fromiter((len(self.drafts.tokens[s]) for s in slots), np.int64, len(slots))
+        assert (self.batch.length[slots] == known - 1).all(), "a slot's tokens and KV disagree"
+        ks = np.asarray([plan.num_draft[j] for j in entries], np.int64)
+        tokens = [self.drafts.tokens[s] for s in slots.tolist()]
+        ids, qs = self.draft.propose(slots, ks, tokens, self.sampler.draw_params(slots))
+        for j, slot, d, q in zip(entries, slots.tolist(), ids, qs, strict=True):
+            out[j] = d
+            if q is not None:
+                self.draft_q[slot] = q
 
     def forward(
         self,

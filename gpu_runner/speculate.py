@@ -14,6 +14,9 @@ while the previous one was in flight never needs ids the core has not seen.
   output's last tokens are looked up in the prediction to re-align (longest match first, the
   earliest one after where it was).
 
+- `draft`: a draft model run by the runner (gpu_runner/draft_model.py), batched over the
+  drafting rows; this keeps its slots' tokens.
+
 A head reading the target's hidden states (EAGLE, MTP) would be another method here, its
 drafts made by the device after the forward instead of on the host before it.
 """
@@ -107,6 +110,8 @@ class Drafts:
             return self.prediction[slot][at : at + k] if at >= 0 else []
         if self.method[slot] == "suffix":
             return self.suffix.propose(self.tenant[slot], self.tokens[slot], k)
+        if self.method[slot] == "draft":  # the runner's draft model (gpu_runner/draft_model.py)
+            return []
         return ngram_lookup(self.tokens[slot], k)
 
     def _realign(self, slot: int) -> int:

@@ -9,10 +9,17 @@ goes on while its sampled token equals its draft; the first token that differs (
 after the last draft) ends its run. Seeded and greedy rows draw exactly what speculation off
 draws; unseeded ones draw from the same distribution with fresh randomness, as any step does.
 Constrained rows never draft (the core gives them none), so the grammar sees round 0 only.
+
+A draft model's sampled rows (`ex.draft_q[slot]` holds q [d, V] of the slot's drafts) are verified by
+rejection sampling instead, round by round with the same recorded state: the target's p is
+the distribution the sampler draws from, and the round's token is the draft when
+u * q(draft) < p(draft), else a draw from max(p - q, 0); the token after the last draft is the
+sampler's own draw. Their greedy rows need nothing apart (the argmax is exact).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from functools import partial
 from typing import TYPE_CHECKING
 
@@ -20,7 +27,9 @@ import numpy as np
 import torch
 
 from gapless.gpu_runner.batch import StepInputs
-from gapless.gpu_runner.sampling.logprobs import SampleOutput
+from gapless.gpu_runner.draft_model import ACCEPT_SALT, RESIDUAL_SALT, uniforms
+from gapless.gpu_runner.sampling.logprobs import SampleOutput, sample_logprobs
+from gapless.gpu_runner.sampling.rejection import draw, residual
 
 if TYPE_CHECKING:
     from gapless.gpu_runner.executor import StepExecutor
@@ -52,6 +61,8 @@ def verify(
             constrain = partial(_constrain, ex, round_host)
         s, p = slots[rows], positions[rows]
         out = ex.sampler.sample(logits[rows], s, p, round_host, constrain)
+        if ex.draft_q:
+            out = _reject(ex, going, r, inp, logits[rows], s, p, round_host, out)
         if not out.plain:
             ex.sampler.record(s, p, out.token_ids, round_host)
             ex.grammar.remember(round_host, out.token_ids)
@@ -80,6 +91,46 @@ def verify(
     return SampleOutput(
         out.token_ids, out.logprobs, out.top_ids, out.top_logprobs, False, run, counts - 1
     )
+
+
+def _reject(
+    ex: StepExecutor,
+    going: np.ndarray,
+    r: int,
+    inp: StepInputs,
+    logits: torch.Tensor,
+    slots: torch.Tensor,
+    positions: torch.Tensor,
+    host: np.ndarray,
+    out: SampleOutput,
+) -> SampleOutput:
+    """Round r's tokens with a draft model's sampled rows decided by rejection sampling: the
+    draft kept with probability min(1, p/q), else a draw from the residual. Their token at
+    the position after the last draft is the sampler's draw from p, as any row's. logits
+    [G, V], slots, positions [G] and host [G] are the round's rows (entries `going`)."""
+    assert inp.sample_counts is not None and inp.sample_drafts is not None
+    counts, drafts = inp.sample_counts, inp.sample_drafts
+    picked = [
+        row
+        for row, j in enumerate(going.tolist())
+        if r < counts[j] - 1 and int(host[row]) in ex.draft_q
+    ]
+    if not picked:
+        return out
+    idx = torch.tensor(picked, dtype=torch.long, device=logits.device)
+    p = ex.sampler.target_probs(logits[idx], slots[idx], positions[idx], host[picked])
+    q = torch.stack([ex.draft_q[int(host[row])][r] for row in picked]).to(p.device)  # [P, V]
+    d = torch.tensor([drafts[j][r] for j in going[picked].tolist()], device=p.device)  # [P]
+    _, _, _, seed, has_seed = ex.sampler.draw_params(host[picked])
+    keys = torch.where(has_seed, seed, torch.randint(-(2**62), 2**62, seed.shape))
+    pos = positions[idx].cpu()
+    u = uniforms(keys, pos, ACCEPT_SALT).to(p.device)
+    px, qx = p.gather(1, d[:, None]).squeeze(1), q.gather(1, d[:, None]).squeeze(1)
+    redraw = draw(residual(p, q), uniforms(keys, pos, RESIDUAL_SALT).to(p.device))
+    token_ids = out.token_ids.clone()
+    token_ids[idx] = torch.where(u * qx < px, d, redraw)
+    asked = ex.sampler.flags(host).max_logprobs
+    return dataclasses.replace(sample_logprobs(logits.float(), token_ids, asked), plain=out.plain)
 
 
 def _constrain(ex: StepExecutor, host: np.ndarray, x: torch.Tensor, inplace: bool):

@@ -25,7 +25,7 @@ from gapless.common.config import (
 from gapless.gpu_runner.sim.profiles import list_profiles
 from gapless.launch.keys_file import KeysFile, read_keys_file
 from gapless.launch.lora_args import add_lora_args, with_lora
-from gapless.launch.speculative_config import parse_speculative_config
+from gapless.launch.speculative_config import check_draft_model, parse_speculative_config
 
 # why: the config reaches every process in one environment variable, which Linux caps at
 # 128 KiB (MAX_ARG_STRLEN), name included
@@ -191,8 +191,9 @@ def add_serve_args(p: argparse.ArgumentParser, cls: type[EngineConfig] = EngineC
         metavar="JSON",
         type=parse_speculative_config,
         help='vLLM\'s speculative config, such as \'{"method": "suffix", '
-        '"num_speculative_tokens": 4}\', for the methods gapless has (ngram, suffix); its '
-        "values win over --speculative and --num-speculative-tokens",
+        '"num_speculative_tokens": 4}\', for the methods gapless has (ngram, suffix, '
+        'draft_model with "model"); its values win over --speculative, --speculative-model '
+        "and --num-speculative-tokens",
     )
     add_lora_args(p)
 
@@ -273,6 +274,7 @@ def config_from_args(
     config = with_lora(config, args.lora_modules, args.lora_dir)
     check_tensor_parallel(config)
     check_data_parallel(config)
+    config = check_draft_model(config)
     size = len(encode_config(config).encode())
     if size > MAX_CONFIG_BYTES:
         raise ValueError(

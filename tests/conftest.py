@@ -78,23 +78,23 @@ TINY_LLAMA = dict(
 )
 
 
-def build_tiny_llama(out: Path, default_gguf: Path, **shape) -> Path:
-    """A random Llama in `out` as a Hugging Face directory, with SmolLM2's real tokenizer."""
+def build_tiny_llama(out: Path, default_gguf: Path, seed: int = 1234, **shape) -> Path:
+    """A random Llama in `out` as a Hugging Face directory, with SmolLM2's real tokenizer;
+    `seed` draws its weights."""
     import torch
     import transformers
 
     from gapless.common.model_files import load_tokenizer, resolve_model
 
     info = resolve_model(str(default_gguf))
-    torch.manual_seed(1234)
+    torch.manual_seed(seed)
     cfg = transformers.LlamaConfig(
         vocab_size=info.vocab_size,
         max_position_embeddings=2048,
         rope_theta=10000.0,
-        tie_word_embeddings=True,
         bos_token_id=1,
         eos_token_id=2,
-        **{**TINY_LLAMA, **shape},
+        **{"tie_word_embeddings": True, **TINY_LLAMA, **shape},
     )
     model = transformers.LlamaForCausalLM(cfg)
     with torch.no_grad():  # sharper logits than the default init, so greedy has clear winners

@@ -27,9 +27,10 @@ from gapless.gpu_runner.cpu.quant import SMALL_ROWS, quantize_model
 from gapless.gpu_runner.cpu.sampling import CPU_SAMPLING
 from gapless.gpu_runner.cpu.threads import ThreadSizer
 from gapless.gpu_runner.device import DeviceParts, HostClock, HostResults
+from gapless.gpu_runner.draft_model import DraftModel
 from gapless.gpu_runner.executor import Launched, StepExecutor
 from gapless.gpu_runner.graph import capture_sizes
-from gapless.gpu_runner.kv_cache import blocks_in
+from gapless.gpu_runner.kv_cache import blocks_in, make_kv_cache
 from gapless.gpu_runner.lora.adapter import load_adapter
 from gapless.gpu_runner.lora.stack import LoraStack
 from gapless.gpu_runner.model import CausalLM
@@ -97,6 +98,7 @@ class CpuBackend:
         )
         self.executor = StepExecutor(config, self.arch, self.model, self.dtype, num_blocks, parts)
         self.executor.lora = self._load_adapters()
+        self.executor.draft = self._load_draft(batch)
         self.graphs = self.executor.graphs
         if self.compiled:
             self._compile()
@@ -137,13 +139,33 @@ class CpuBackend:
             log.info("LoRA adapter %s read", name)
         return stack
 
-    def _attention(self, batch: PersistentBatch) -> TorchAttention:
+    def _load_draft(self, batch: PersistentBatch) -> DraftModel | None:
+        """--speculative draft's model, in --dtype, with --quantization as it resolves for the
+        draft's own file; its KV cache has the target's blocks (gpu_runner/draft_model.py)."""
+        info = self.config.draft_model
+        if self.config.speculative != "draft" or info is None:
+            return None
+        assert self.tp is None, "--speculative draft with tensor parallelism"
+        arch = load_arch(info)
+        model = load_model(info, arch, CPU, self.dtype)
+        mode = resolve_quantization(self.config.quantization, self.config.dtype, "cpu", info.path)
+        if mode != "none":
+            quantize_model(model, mode, info.path, arch)
+        log.info("draft model %s: %s layers, %s weights", info.path, arch.num_layers, mode)
+        kv = make_kv_cache(arch, self.num_blocks, batch.block_size, self.dtype, CPU)
+        return DraftModel(model.eval(), kv, self._attention(batch, arch.scale), batch)
+
+    def _attention(self, batch: PersistentBatch, scale: float | None = None) -> TorchAttention:
         bs = self.config.block_size
         max_context = batch.max_blocks_per_seq * bs
         kernel = self.config.attention_kernel and kernels.available(self.dtype)
-        log.info("cpu decode attention: %s", "paged kernel" if kernel else "torch (gather + SDPA)")
+        if scale is None:
+            log.info(
+                "cpu decode attention: %s", "paged kernel" if kernel else "torch (gather + SDPA)"
+            )
         max_decodes = capture_sizes(self.config.max_num_seqs)[-1]
-        return TorchAttention(max_decodes, max_context, bs, self.arch.scale, kernel)
+        scale = self.arch.scale if scale is None else scale
+        return TorchAttention(max_decodes, max_context, bs, scale, kernel)
 
     def _compile(self) -> None:
         """Compile the padded decode step at start; eager where it cannot be compiled."""

@@ -21,23 +21,31 @@ from gapless.gpu_runner.sampling.nucleus import top_p_cutoff
 
 
 def filtered_probs(
-    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    any_top_k: bool = True,
+    any_top_p: bool = True,
 ) -> torch.Tensor:
     """[B, V] the distribution a row samples from: logits [B, V] / temperature [B] (0: the
     argmax, one-hot), the top_k [B] (0: all) highest kept (ties at the k-th kept too), then
     the top_p [B] nucleus of what is left (the shortest run of the likeliest tokens whose
-    mass reaches top_p; 1: all), renormalized. The sampler's rules, in its order."""
+    mass reaches top_p; 1: all), renormalized. The sampler's rules, in its order.
+    any_top_k, any_top_p False: the caller knows no row has one (its [B, V] sort is skipped)."""
     greedy = temperature <= 0
     x = logits / torch.where(greedy, 1.0, temperature)[:, None]
     vocab = x.shape[-1]
-    k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)  # [B]
-    ordered = x.sort(dim=-1, descending=True).values  # [B, V]
-    kth = ordered.gather(1, (k - 1)[:, None])  # [B, 1]
-    x = x.masked_fill(x < kth, -torch.inf)
+    if any_top_k:
+        k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)  # [B]
+        ordered = x.sort(dim=-1, descending=True).values  # [B, V]
+        kth = ordered.gather(1, (k - 1)[:, None])  # [B, 1]
+        x = x.masked_fill(x < kth, -torch.inf)
     probs = torch.softmax(x, dim=-1)
-    ordered_probs = probs.sort(dim=-1, descending=True).values
-    probs = probs.masked_fill(probs < top_p_cutoff(ordered_probs, ordered_probs, top_p), 0.0)
-    probs = probs / probs.sum(dim=-1, keepdim=True)
+    if any_top_p:
+        ordered_probs = probs.sort(dim=-1, descending=True).values
+        probs = probs.masked_fill(probs < top_p_cutoff(ordered_probs, ordered_probs, top_p), 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
     one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
     return torch.where(greedy[:, None], one_hot, probs)
 

@@ -20,6 +20,7 @@ from gapless.gpu_runner.sampling.draws import UNSEEDED_SALT, exponentials, fmix3
 from gapless.gpu_runner.sampling.logit_rules import LogitRules
 from gapless.gpu_runner.sampling.logprobs import SampleOutput, sample_logprobs
 from gapless.gpu_runner.sampling.nucleus import nucleus_argmax, top_p_cutoff
+from gapless.gpu_runner.sampling.rejection import filtered_probs
 
 # columns of the float parameter table
 _TEMP, _TOP_P, _MIN_P, _PRES, _FREQ, _REP = range(6)
@@ -240,6 +241,42 @@ class SamplerState:
         rep = fp[:, _REP, None]  # [B, 1]
         logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
         return logits - fp[:, _FREQ, None] * counts - fp[:, _PRES, None] * in_output
+
+    def draw_params(self, host_slots: np.ndarray) -> tuple[torch.Tensor, ...]:
+        """Temperature, top_k, top_p, seed and has-seed [B] of the slots [B], on the host (what a
+        draft model's drafts are drawn with: gpu_runner/draft_model.py)."""
+        fp, ip = self._fparams[host_slots], self._iparams[host_slots]
+        return (
+            torch.from_numpy(fp[:, _TEMP].copy()),
+            torch.from_numpy(ip[:, _TOP_K].copy()),
+            torch.from_numpy(fp[:, _TOP_P].copy()),
+            torch.from_numpy(ip[:, _SEED].copy()),
+            torch.from_numpy(ip[:, _HAS_SEED] != 0),
+        )
+
+    def target_probs(
+        self,
+        logits: torch.Tensor,
+        slots: torch.Tensor,
+        positions: torch.Tensor,
+        host_slots: np.ndarray,
+    ) -> torch.Tensor:
+        """[B, V] float32: the distribution sample() draws each row from (logit rules,
+        penalties, temperature, top_k, top_p, min_p), for rejection sampling a draft model's
+        drafts. Arguments as sample()'s; logits are not changed."""
+        self._push()
+        num_prompt = self._iparams_dev[slots, _NUM_PROMPT]
+        x = self.rules.apply(logits.float(), host_slots, positions, num_prompt, False)
+        if self._has_penalty[host_slots].any():
+            x = self.penalized_logits(x, slots)
+        fp, ip = self._fparams_dev[slots], self._iparams_dev[slots]
+        flags = self.flags(host_slots)
+        probs = filtered_probs(
+            x, fp[:, _TEMP], ip[:, _TOP_K], fp[:, _TOP_P], flags.max_top_k > 0, flags.any_top_p
+        )
+        floor = fp[:, _MIN_P, None] * probs.amax(dim=-1, keepdim=True)  # [B, 1]
+        probs = probs.masked_fill(probs < floor, 0.0)
+        return probs / probs.sum(dim=-1, keepdim=True)
 
     def sample(
         self,

@@ -42,6 +42,7 @@ FLAGS = {
     "--gpu-memory-utilization": "0.9",
     "--no-overlap": "overlap on",
     "--speculative": "off",
+    "--speculative-model PATH": None,
     "--num-speculative-tokens": "4",
     "--deep-plan-ms": "4.0",
     "--no-prefix-caching": "prefix caching on",

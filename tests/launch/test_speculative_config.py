@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from gapless.launch.speculative_config import parse_speculative_config
 from tests.launch.test_cli import env, serve_config  # noqa: F401 (env: the autouse fixture)
 
 
@@ -24,19 +25,29 @@ def test_the_json_sets_the_method_and_k():
     assert serve_config().speculative == "off"
 
 
+def test_vllms_draft_model_spelling_sets_the_method_and_the_model():
+    text = '{"method": "draft_model", "model": "/m/draft", "num_speculative_tokens": 5}'
+    assert parse_speculative_config(text) == {
+        "speculative": "draft",
+        "speculative_model": "/m/draft",
+        "num_speculative_tokens": 5,
+    }
+
+
 @pytest.mark.parametrize(
     "text,error",
     [
         ("{", "not JSON"),
         ("[1]", "expected a JSON object"),
-        ('{"num_speculative_tokens": 2}', "`method` is required: one of ngram, suffix"),
-        ('{"method": "eagle3"}', "method 'eagle3' is not available (gapless has ngram, suffix)"),
+        ('{"num_speculative_tokens": 2}', "`method` is required: one of ngram, suffix, draft_"),
+        ('{"method": "eagle3"}', "method 'eagle3' is not available (gapless has ngram, suffix"),
         ('{"method": "deepseek_mtp"}', "method 'deepseek_mtp' is not available"),
-        ('{"method": "magic"}', "unknown method 'magic' (gapless has ngram, suffix)"),
+        ('{"method": "magic"}', "unknown method 'magic' (gapless has ngram, suffix, draft_"),
         ('{"method": 3}', "unknown method 3"),
-        ('{"method": "ngram", "model": "x"}', "key 'model' is not available: gapless has no draft"),
+        ('{"method": "draft_model", "quantization": "fp8"}', "takes the model's --dtype and --q"),
+        ('{"method": "draft_model", "model": 3}', "`model` must be a path or Hub id (got 3)"),
         ('{"method": "ngram", "prompt_lookup_max": 5}', "n-gram lookup tries 3 tokens, then 2"),
-        ('{"method": "ngram", "speed": 1}', "unknown key 'speed' (gapless takes method, num_"),
+        ('{"method": "ngram", "speed": 1}', "unknown key 'speed' (gapless takes method, model"),
         ('{"method": "ngram", "num_speculative_tokens": 17}', "an integer from 0 to 16 (got 17)"),
         ('{"method": "ngram", "num_speculative_tokens": "4"}', "an integer from 0 to 16"),
         ('{"method": "ngram", "num_speculative_tokens": true}', "an integer from 0 to 16"),
