@@ -12,6 +12,7 @@ bench connections --idle 20000 --slowloris 100 --launch -- --device sim   (held 
 bench route --groups 12 --prefix 512 -- --device sim   (KV-event routing vs round robin, two servers)
 bench kv-stall --streams 256 --seconds 10 -- --device sim   (a KV event subscriber that stops reading)
 bench embeddings --launch -- --device cpu   (/v1/embeddings: 64 inputs x 128 tokens, inputs/s)
+bench spec-tenants --requests 200   (a copying and a chatting tenant: tokens verified each, sim)
 """
 
 from __future__ import annotations
@@ -220,6 +221,10 @@ def main(argv: list[str] | None = None) -> None:
         from gapless.bench.edit import main as edit_main
 
         sys.exit(edit_main(argv[1:]))
+    if argv[:1] == ["spec-tenants"]:
+        from gapless.bench.spec_tenants import main as spec_tenants_main
+
+        sys.exit(spec_tenants_main(argv[1:]))
     if argv[:1] == ["spec-cost"]:
         from gapless.bench.spec_cost import main as spec_cost_main
 

@@ -169,12 +169,14 @@ class _Runs:
         updated in place where one ends the run."""
         counts = self.counts if kept is None else self.counts[kept]
         firsts = self.firsts if kept is None else self.firsts[kept]
-        # tenants pay for what the device verified: every draft, accepted or not
+        # tenants pay for what the device verified: every draft, accepted (an output) or not
         drafted = self.drafted if kept is None else self.drafted[kept]
         if drafted.any():
-            n = len(applier.policy.output_tokens)
-            charge = np.bincount(rows.tenant_id, drafted, n).astype(np.int64)
-            applier.policy.charge_output_counts(charge)
+            n, policy = len(applier.policy.output_tokens), applier.policy
+            accepted = counts - 1
+            policy.charge_output_counts(np.bincount(rows.tenant_id, accepted, n).astype(np.int64))
+            rejected = np.bincount(rows.tenant_id, drafted - accepted, n).astype(np.int64)
+            policy.charge_rejected(rejected)
         extra = np.where(ended, 0, counts - 1)  # [R'] accepted ids after the first
         if not extra.any():
             return
