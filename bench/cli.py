@@ -13,6 +13,8 @@ bench route --groups 12 --prefix 512 -- --device sim   (KV-event routing vs roun
 bench kv-stall --streams 256 --seconds 10 -- --device sim   (a KV event subscriber that stops reading)
 bench embeddings --launch -- --device cpu   (/v1/embeddings: 64 inputs x 128 tokens, inputs/s)
 bench spec-exact --draft-model DIR -- --model DIR   (speculation's tokens against off's, in process)
+bench spec-tenants --requests 200   (a copying and a chatting tenant: tokens verified each, sim)
+bench spec-host --streams 8,32,256   (the host's ms per steady step, drafts on or off, sim)
 """
 
 from __future__ import annotations
@@ -221,6 +223,14 @@ def main(argv: list[str] | None = None) -> None:
         from gapless.bench.edit import main as edit_main
 
         sys.exit(edit_main(argv[1:]))
+    if argv[:1] == ["spec-host"]:
+        from gapless.bench.spec_host import main as spec_host_main
+
+        sys.exit(spec_host_main(argv[1:]))
+    if argv[:1] == ["spec-tenants"]:
+        from gapless.bench.spec_tenants import main as spec_tenants_main
+
+        sys.exit(spec_tenants_main(argv[1:]))
     if argv[:1] == ["spec-cost"]:
         from gapless.bench.spec_cost import main as spec_cost_main
 

@@ -140,7 +140,7 @@ class Applier:
 class _Runs:
     """A result whose rows verified drafts: row j's tokens are the counts[j] ids from
     firsts[j], its accepted drafts and then the token sampled after them. The first goes the
-    usual way; the rest are appended one by one, each checked for a stop, so a stop inside a
+    usual way; the rest are appended together, each checked for a stop, so a stop inside a
     run ends it there. A row that left its slot keeps its first token only (a preempted
     request recomputes the rest, drawing them again)."""
 
@@ -169,40 +169,49 @@ class _Runs:
         updated in place where one ends the run."""
         counts = self.counts if kept is None else self.counts[kept]
         firsts = self.firsts if kept is None else self.firsts[kept]
-        # tenants pay for what the device verified: every draft, accepted or not
+        # tenants pay for what the device verified: every draft, accepted (an output) or not
         drafted = self.drafted if kept is None else self.drafted[kept]
         if drafted.any():
-            n = len(applier.policy.output_tokens)
-            charge = np.bincount(rows.tenant_id, drafted, n).astype(np.int64)
-            applier.policy.charge_output_counts(charge)
-        if counts.max(initial=1) <= 1:
+            n, policy = len(applier.policy.output_tokens), applier.policy
+            accepted = counts - 1
+            policy.charge_output_counts(np.bincount(rows.tenant_id, accepted, n).astype(np.int64))
+            rejected = np.bincount(rows.tenant_id, drafted - accepted, n).astype(np.int64)
+            policy.charge_rejected(rejected)
+        extra = np.where(ended, 0, counts - 1)  # [R'] accepted ids after the first
+        if not extra.any():
             return
-        num = np.ones(len(rows), np.int64)  # tokens kept per live row
-        for r in range(1, int(counts.max())):
-            go = np.flatnonzero((counts > r) & ~ended)
-            if not len(go):
-                break
-            part = rows.take(go)
-            t = self.tokens[firsts[go] + r]
-            num_out = applier.rb.append_accepted(part.slots, t)
-            num[go] += 1
-            more_reasons, more_ended = check_stop(part, t, num_out, applier.eos)
-            for j in np.flatnonzero(more_ended).tolist():
-                reasons[int(go[j])] = more_reasons[j]
-            ended[go] |= more_ended
-        self.kept = num
+        # every accepted id at once, row-major: [P] its row and place in the run after the first
+        row, pos = np.nonzero(np.arange(int(extra.max()))[None, :] < extra[:, None])
+        t = self.tokens[firsts[row] + 1 + pos]
+        base = applier.rb.out_len[rows.slots]  # [R'] outputs with the first id
+        more_reasons, more_ended = check_stop(rows.take(row), t, base[row] + 1 + pos, applier.eos)
+        if more_ended.any():  # the first stop in each row's run ends it there
+            hit = np.flatnonzero(more_ended)
+            stopped, first = np.unique(row[hit], return_index=True)
+            at = hit[first]
+            extra[stopped] = pos[at] + 1
+            ended[stopped] = True
+            for j, p in zip(stopped.tolist(), at.tolist(), strict=True):
+                reasons[j] = more_reasons[p]
+            keep = pos < extra[row]
+            row, pos, t = row[keep], pos[keep], t[keep]
+        applier.rb.append_runs(rows.slots, extra, row, base[row] + pos, t)
+        self.kept = extra + 1
 
     def output(self, out: StepOutput, result: StepResult, kept: np.ndarray | None) -> None:
         """Each live row's whole run in out (rows that left their slots: the first id)."""
         assert self.kept is not None
         firsts = self.firsts if kept is None else self.firsts[kept]  # live rows, then moved
-        counts = self.kept.tolist() + [1] * (len(out.requests) - len(self.kept))
-        index = [f + i for f, c in zip(firsts.tolist(), counts, strict=True) for i in range(c)]
+        counts = self.kept
+        if len(counts) < len(firsts):
+            counts = np.concatenate([counts, np.ones(len(firsts) - len(counts), np.int64)])
+        ends = np.cumsum(counts)
+        index = np.arange(int(ends[-1])) + np.repeat(firsts - (ends - counts), counts)
         out.token_ids = self.tokens[index].tolist()
         if out.logprobs:
             lps = result.logprobs
-            out.logprobs = [lps[i] for i in index]
-        out.counts = counts
+            out.logprobs = [lps[i] for i in index.tolist()]
+        out.counts = counts.tolist()
 
 
 def _add_prompt_logprobs(step: ScheduledStep, result: StepResult) -> None:

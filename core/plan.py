@@ -2,7 +2,8 @@
 
 Two paths make the same plans. While every running request decodes and nobody can take a
 seat, the steady-decode plan feeds every row its last token with a few array operations over
-the view, keeping the KV capacity of its rows across steps. Otherwise the general plan gives
+the view, keeping the KV capacity of its rows across steps; where rows draft, the same view
+plans their verify on counts (1 + k positions each), as cheaply. Otherwise the general plan gives
 each running request the tokens it still needs within the budget (preempting while the KV
 blocks run short), seats waiting requests with what is left, and builds the plan entry by
 entry. Both hand the step the view of the rows it samples, which applying its result reads.
@@ -57,17 +58,18 @@ class Planner:
         self._free_at = _EMPTY  # [n] a step starting there gives back a block (WindowRelease)
 
     def plan_decode(self, rows: Rows) -> ScheduledStep | None:
-        """Every running request feeds its last token and samples one; a request whose blocks
-        are full gets one more. None if one of them still prefills, there is nothing to feed
+        """Every running request feeds its last token and samples one (or verifies its drafts:
+        _plan_verify); a request whose blocks are full gets one more. None if one of them still prefills, there is nothing to feed
         or the token budget or the blocks run short (the general plan preempts), having changed
         nothing but given back blocks that fell out of a sliding window."""
         rb, bs = self.rb, self.blocks.block_size
         if self._steady is not rows:
-            # why: a row that drafts feeds 1 + k tokens, and the general plan counts them;
-            # where the cost model stops drafting for this batch (k* = 0 for every row
-            # decoding) and no verify is in flight, the batch decodes plainly until it changes
-            if not rb.decodes_all(rows.slots) or not self._drafts_stopped(rows):
+            if not rb.decodes_all(rows.slots):
                 return None
+            # why: where the cost model stops drafting for this batch (k* = 0 for every row
+            # decoding) and no verify is in flight, the batch decodes plainly until it changes
+            if not self._drafts_stopped(rows):
+                return self._plan_verify(rows)
             self._capacity = rb.num_blocks[rows.slots] * bs
             self._feed_below = rows.limit - 1
             if self.window is not None:
@@ -109,6 +111,77 @@ class Planner:
         return ScheduledStep(
             plan=plan,
             rows=step_rows,
+            num_decode_tokens=n,
+            num_released=rb.num_released,
+            decode=rows,
+        )
+
+    def _plan_verify(self, rows: Rows) -> ScheduledStep | None:
+        """Every running request feeds its last token and verifies up to k drafts after it,
+        planned on counts as plan_running and build plan it (1 + k positions of KV per row,
+        on top of what the verifies in flight may still accept), as a few array operations.
+        None where the general plan must decide: a sliding window, a budget or block pool
+        that runs short, a row not fed this step that needs a block."""
+        self._steady = None
+        rb, bs = self.rb, self.blocks.block_size
+        if self.window is not None:
+            return None
+        rs = rows.slots
+        total, comp, extra = rb.num_tokens(rs), rb.computed[rs], rb.spec_extra[rs]
+        feeds = total + extra < rows.limit  # [n] false: its last allowed sample is in flight
+        need = feeds.astype(np.int64)
+        drafts = (rows.spec_k > 0) & feeds
+        k = self._spec_k(rows.spec_k, drafts, need)
+        draft = np.where(drafts, np.clip(np.minimum(k, rows.limit - total - extra - 1), 0, None), 0)
+        ahead = np.where(feeds, extra + draft, 0)  # how far the runner may write past
+        grow = np.maximum(-(-(comp + need + ahead) // bs) - rb.num_blocks[rs], 0)
+        num_fed, num_grow = int(need.sum()), int(grow.sum())
+        if (
+            not num_fed
+            or num_fed + int(draft.sum()) > self.max_num_batched_tokens
+            or not self.blocks.can_allocate(num_grow)
+        ):
+            return None
+        new_blocks: list[int] = []
+        if num_grow:  # a block per row every few steps: allocated at once, handed out in order
+            grown = np.flatnonzero(grow)
+            if not feeds[grown].all():  # a row not fed grows: the general plan decides
+                return None
+            new_blocks = self.blocks.allocate(num_grow)
+            requests, at = rows.requests, 0
+            for j, g in zip(grown.tolist(), grow[grown].tolist(), strict=True):
+                requests[j].blocks.extend(new_blocks[at : at + g])
+                at += g
+            rb.num_blocks[rs] += grow
+            rb.num_sent[rs] = rb.num_blocks[rs]
+        step_rows = rows
+        if not feeds.all():
+            fed = np.flatnonzero(feeds)
+            step_rows, comp, grow, draft = rows.take(fed), comp[fed], grow[fed], draft[fed]
+        slots, n = step_rows.slots, len(comp)
+        rb.computed[slots] = comp + 1
+        rb.pending[slots] += 1
+        rb.spec_extra[slots] += draft
+        any_draft = bool(draft.any())
+        self.seq += 1
+        plan = StepPlan(
+            seq=self.seq,
+            new_slots=[],
+            freed_slots=self.slots.take_freed(),
+            slots=step_rows.slot_list,
+            num_tokens=[1] * n,
+            start_pos=comp.tolist(),
+            has_tokens=[False] * n,
+            token_ids=[],
+            sample=[True] * n,
+            num_new_blocks=grow.tolist(),
+            new_blocks=new_blocks,
+            num_draft=draft.tolist() if any_draft else [],
+        )
+        return ScheduledStep(
+            plan=plan,
+            rows=step_rows,
+            drafts=draft if any_draft else None,
             num_decode_tokens=n,
             num_released=rb.num_released,
             decode=rows,

@@ -145,6 +145,11 @@ class Policy:
         """tokens[t] sampled tokens for tenant t: [T], as long as the per-tenant arrays."""
         self.output_tokens += tokens
 
+    def charge_rejected(self, tokens: np.ndarray) -> None:
+        """tokens[t] drafts the device verified for tenant t and rejected: [T]. Charged as
+        output, they are work no request's max_tokens foresaw."""
+        self.output_tokens += tokens
+
 
 class PriorityPolicy(Policy):
     name = "priority"
@@ -268,6 +273,12 @@ class FairPolicy(PriorityPolicy):
         charge = tokens * self.output_weight * self._inv_weight
         self.counters += charge
         np.maximum(self.committed - charge, 0.0, out=self.committed)
+
+    def charge_rejected(self, tokens: np.ndarray) -> None:
+        # why not from committed: it holds the outputs running requests may still sample,
+        # and a rejected draft is not one of them
+        self.output_tokens += tokens
+        self.counters += tokens * self.output_weight * self._inv_weight
 
 
 def make_policy(

@@ -114,15 +114,20 @@ class RunningBatch:
         self.pending[slots] -= 1
         return n
 
-    def append_accepted(self, slots: np.ndarray, tokens: np.ndarray) -> np.ndarray:
-        """One more id of a verified run for each slot's request (a draft accepted: its KV,
-        written by the step, now counts as computed). Returns [R] output counts."""
-        n = self.out_len[slots]
-        self.out[slots, n] = tokens
-        n += 1
-        self.out_len[slots] = n
-        self.computed[slots] += 1
-        return n
+    def append_runs(
+        self,
+        slots: np.ndarray,
+        num: np.ndarray,
+        row: np.ndarray,
+        index: np.ndarray,
+        tokens: np.ndarray,
+    ) -> None:
+        """The accepted drafts of verified runs (their KV, written by the step, now counts as
+        computed): num [R] ids after each slot's first, and each id's [P] row, [P] output
+        index and [P] value."""
+        self.out[slots[row], index] = tokens
+        self.out_len[slots] += num
+        self.computed[slots] += num
 
     def release(self, slot: int) -> Request:
         """The request leaves its slot; its ids and pending count go back to the Request."""

@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "RESULTS.md"
 DOCS = [*sorted((ROOT / "docs").glob("*.md")), ROOT / "README.md", RESULTS]
 CODE = ("common", "shm", "frontend", "core", "detokenizer", "gpu_runner", "launch", "bench")
-MAX_ARCHITECTURE_LINES = 400
+MAX_ARCHITECTURE_LINES = 420
 
 # a relative path with a folder, ending .md or .py: `docs/cpu.md`, tests/test_layout.py
 PATH = re.compile(r"(?<![\w/.<~$-])((?:[\w.-]+/)+[\w-]+\.(?:md|py))\b")

@@ -70,8 +70,7 @@ def _run(seed: int, general: bool, policy: str, depth: int, **config):
             log.append(step.plan)
         if inflight:
             step = inflight.popleft()
-            ids = [_token(r.request_id, len(r.output_ids)) for r in step.sampled]
-            out = s.update_from_output(step, StepResult(seq=step.plan.seq, token_ids=ids))
+            out = s.update_from_output(step, _result(step))
             log.append(([r.request_id for r in out.requests], out.token_ids, out.end_reasons))
         check_blocks(s)
         if not arrivals and not inflight and not s.has_work:
@@ -82,6 +81,22 @@ def _run(seed: int, general: bool, policy: str, depth: int, **config):
     if policy == "fair":
         accounts += [p.counters.tolist(), p.committed.tolist()]
     return log, accounts, decode_steps
+
+
+def _result(step) -> StepResult:
+    """The same ids in every run; a row that verifies d drafts accepts 0..d of them, as the
+    hash of where it stands says."""
+    if step.drafts is None:
+        ids = [_token(r.request_id, len(r.output_ids)) for r in step.sampled]
+        return StepResult(seq=step.plan.seq, token_ids=ids)
+    ids, counts = [], []
+    for r, d in zip(step.sampled, step.drafts.tolist(), strict=True):
+        n = len(r.output_ids)
+        count = 1 + zlib.crc32(f"{r.request_id}:{n}:a".encode()) % (d + 1)
+        ids += [_token(r.request_id, n + i) for i in range(count)]
+        counts.append(count)
+    drafted = step.drafts.tolist()
+    return StepResult(seq=step.plan.seq, token_ids=ids, counts=counts, num_drafted=drafted)
 
 
 @pytest.mark.parametrize("policy", ["fcfs", "fair"])
@@ -125,3 +140,29 @@ def test_staggered_requests_take_a_block_each_when_theirs_fill():
         s.update_from_output(step, StepResult(seq=step.plan.seq, token_ids=[7] * 4))
         for r in s.running:
             assert len(r.blocks) == -(-int(s.rb.computed[r.slot]) // 4)
+
+
+@pytest.mark.parametrize("depth", [2, 3])
+@pytest.mark.parametrize(
+    "config",
+    [
+        dict(num_blocks=200, max_num_seqs=8, max_num_batched_tokens=64),
+        dict(num_blocks=40, max_num_seqs=16, max_num_batched_tokens=24),  # preempts
+    ],
+    ids=["roomy", "tight"],
+)
+def test_decode_plan_verifies_drafts_on_counts_as_the_general_plan_does(depth, config):
+    """Rows that draft: the decode plan reserves 1 + k per row on top of the verifies in
+    flight, and what each result accepts is reconciled, exactly as the general plan does."""
+    spec = dict(speculative="ngram", num_speculative_tokens=3)
+    num_verify = 0
+    for seed in range(3):
+        want, want_accounts, _ = _run(seed, True, "fair", depth, **config, **spec)
+        got, got_accounts, (num_decode, _, _) = _run(seed, False, "fair", depth, **config, **spec)
+        assert len(got) == len(want)
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            assert g == w, f"seed {seed}, entry {i}"
+        assert got_accounts == want_accounts
+        num_verify += sum(1 for e in got if hasattr(e, "num_draft") and any(e.num_draft))
+        assert num_decode > 0
+    assert num_verify > 0, "steps verified drafts"

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 
+from gapless.bench.spec_tenants import run as run_spec_tenants
 from gapless.common.config import TenantSpec
 from gapless.common.messages import QUEUE_STATE_INTERVAL_S, QueueState, SamplingParams
 from gapless.core.metrics import CoreMetrics
@@ -198,3 +199,22 @@ def test_a_request_that_waits_too_long_is_ended(default_gguf):
     (delta,) = h.deltas["late"]
     assert (delta.finish_reason, delta.code) == ("error", "queue_timeout")
     assert "--max-queue-wait" in delta.error and h.outputs["late"] == []
+
+
+def test_a_copying_tenant_and_a_chatting_one_share_the_tokens_verified(default_gguf):
+    """S9 (sim): equal weights; C's requests carry a `prediction` (each step verifies up to 4
+    drafts, accepted at the profile's 0.7: about 2.8 tokens a step), H's chat (one a step).
+    Tenants are charged for what the device verified, so while both wait each gets half of
+    it: prompt tokens plus the fair policy's output weight per token verified, counted from
+    the plans and results (bench/spec_tenants.py), not from the policy's counters."""
+    config = sim_config(default_gguf, sim_profile="h100-llama3-8b", max_num_seqs=8,
+                        num_speculative_tokens=4, sim_time_scale=0.01,
+                        scheduling_policy="fair")  # fmt: skip
+    got = run_spec_tenants(config, num_requests=60, prompt_len=16, max_tokens=32)
+    print(f"copy vs chat: C's share {got.share('C'):.3f} of the service in "
+          f"{got.window_steps} steps, requests done {got.done} (sim)")  # fmt: skip
+    assert got.window_steps > 200, "a window long enough to measure"
+    assert 0 < got.accepted < got.drafted, "C verified drafts and some were rejected"
+    assert got.ratio >= 0.95, (got.prompt, got.verified)
+    # C's requests each cost more (their rejected drafts), so fewer of them ran
+    assert got.done["C"] < 0.85 * got.done["H"], got.done
