@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 ARGS ?=
 PYTEST_ARGS ?=
 
-.PHONY: setup model serve test test-random fairness-http bench soak lint clean gpu-bundle
+.PHONY: setup model serve test test-random fairness-http bench soak lint clean gpu-bundle llama-server
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
@@ -53,6 +53,10 @@ soak: model
 PREPARE_ARGS ?=
 gpu-bundle: model
 	$(PY) -m gapless.bench.gpu_check prepare $(PREPARE_ARGS)
+
+# llama.cpp's server for the comparison benches (bench/build_llama_server.sh); prints its path
+llama-server:
+	bash bench/build_llama_server.sh
 
 lint: setup
 	$(VENV)/bin/ruff check .

@@ -162,7 +162,13 @@ def main(argv: list[str] | None = None) -> int:
     prompts = list(enumerate(load_prompts()[: args.num_prompts]))
     groups = [prompts[i : i + args.streams] for i in range(0, len(prompts), args.streams)]
     rows: dict[str, list[dict]] = {name: [] for name, _ in targets}
-    with httpx.Client(timeout=600) as client, ThreadPoolExecutor(args.streams) as pool:
+    # why no kept-alive connections: llama-server closes idle ones, and a request sent on one
+    # it closed fails
+    limits = httpx.Limits(max_keepalive_connections=0)
+    with (
+        httpx.Client(timeout=600, limits=limits) as client,
+        ThreadPoolExecutor(args.streams) as pool,
+    ):
         for items in groups:
             predictions: dict[int, str] = {}
             if args.prediction:
