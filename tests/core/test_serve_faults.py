@@ -183,9 +183,10 @@ def test_killed_supervisor_ends_streams_and_leaves_nothing(default_gguf) -> None
     thread = _stream(s, events, ended)
     s.proc.kill()
     killed_at = time.monotonic()
-    thread.join(5)
+    thread.join(late_limit_s(1.0))
     took = ended[0] - killed_at if ended else None
-    if took is None or took >= 1.0:  # the stream must end within 1 s; say how it went if not
+    # the stream ends within 1 s of the kill (the margin for a loaded machine); say how if not
+    if took is None or took >= late_limit_s(1.0):
         s.proc.wait()
         pytest.fail(
             f"stream ended {took} s after the kill; last events {events[-4:]}; "
@@ -199,7 +200,9 @@ def test_killed_supervisor_ends_streams_and_leaves_nothing(default_gguf) -> None
             os.path.exists(f"/proc/{pid}")
             and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
         ):
-            assert time.monotonic() - killed_at < late_limit_s(1.0), (
+            # why 5 s: a role notices its supervisor is gone on its next look, and the text
+            # roles run at niceness 10, behind whatever else loads the machine
+            assert time.monotonic() - killed_at < late_limit_s(5.0), (
                 f"{name} still running long after the kill"
             )
             time.sleep(0.05)
