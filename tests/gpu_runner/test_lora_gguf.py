@@ -25,7 +25,7 @@ gguf = pytest.importorskip("gguf")
 
 FIXTURES = Path(__file__).parent.parent / "fixtures"
 PEFT, GGUF = FIXTURES / "tiny-llama-lora", FIXTURES / "tiny-llama-lora.gguf"
-GREEDY = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True, logprobs=0)
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=0)
 PROMPT = [36424, 23833, 19866, 24255, 77, 21367, 32402, 36927, 25642]
 
 
@@ -133,7 +133,7 @@ def test_a_gguf_adapter_loads_at_run_time_and_a_bad_one_loads_nothing(llama, pef
     other = _rewrite(GGUF, tmp_path / "qwen.gguf", arch="qwen2")
     h = Recorder(make_config(llama[0], enable_lora=True, lora_dirs=(str(FIXTURES),),
                              max_loras=1))  # fmt: skip
-    short = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
+    short = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0)
     loads = [LoadLora(0, 0, "g", str(GGUF)), LoadLora(0, 1, "q", str(other))]
     h.run({0: [("g", PROMPT, short, "", 0, None, "g")]}, messages={0: loads})
     answers = {a.token: a for a in h.frontend if isinstance(a, LoraAdapters) and a.token >= 0}
@@ -141,3 +141,15 @@ def test_a_gguf_adapter_loads_at_run_time_and_a_bad_one_loads_nothing(llama, pef
     assert answers[1].status == 400 and "architecture 'qwen2'" in answers[1].error
     got = h.outputs["g"]
     assert len(got) == short.max_tokens and got == scores(peft_ref, PROMPT, got)[0]
+
+
+def test_lora_modules_take_a_gguf_file_held_to_the_model(llama, tiny_model_dir):
+    """`gapless serve --lora-modules g=FILE.gguf` reads it at start; on a model whose MLP is
+    wider than the one it was made for, the start stops naming the flag, file and cause."""
+    from tests.launch.test_cli import serve_config
+
+    config = serve_config("--model", str(llama[0]), "--lora-modules", f"g={GGUF}")
+    assert config.enable_lora and config.lora_modules == {"g": str(GGUF)}
+    with pytest.raises(ValueError, match=r"^--lora-modules g: g: tiny-llama-lora\.gguf: "
+                                         r".*mlp.* do not fit the layer's"):  # fmt: skip
+        serve_config("--model", str(tiny_model_dir), "--lora-modules", f"g={GGUF}")
