@@ -29,7 +29,8 @@ def add_lora_args(p: argparse.ArgumentParser) -> None:
         action="extend",
         metavar="NAME=PATH",
         type=_module,
-        help="LoRA adapters to serve (peft directories), each named by requests' `model`; "
+        help="LoRA adapters to serve (peft directories or llama.cpp GGUF LoRA files), each "
+        "named by requests' `model`; "
         'NAME=PATH or {"name": ..., "path": ...}; implies --enable-lora (default: none)',
     )
     p.add_argument(

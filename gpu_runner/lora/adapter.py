@@ -1,5 +1,6 @@
 """LoRA adapters in peft's format: a directory with adapter_config.json and
-adapter_model.safetensors (never .bin or .pt), read and held to the base's shapes.
+adapter_model.safetensors (never .bin or .pt), read and held to the base's shapes; llama.cpp's
+GGUF LoRA files are read by gguf_adapter.py into the same Adapter.
 
 A target projection W [out, in] gains y += scale * B (A x), A [r, in], B [out, r]; scale is
 alpha / r, or alpha / sqrt(r) with use_rslora. r and alpha are the config's, or the values of
@@ -73,7 +74,8 @@ def pattern_value(patterns: dict, module: str, default):
 def read_config(path: Path) -> dict:
     """adapter_config.json of an adapter directory, its unsupported options refused."""
     if not path.is_dir():
-        raise AdapterError(f"{path}: not a directory with {CONFIG} and {WEIGHTS}")
+        raise AdapterError(f"{path}: not a directory with {CONFIG} and {WEIGHTS}, nor a "
+                           "GGUF LoRA file")  # fmt: skip
     if not (path / WEIGHTS).is_file():
         other = [p.name for p in path.glob("adapter_model.*")]
         found = f" (found {', '.join(other)}: only safetensors are read)" if other else ""
@@ -139,8 +141,13 @@ def _module_of(key: str) -> tuple[str, str]:
 def load_adapter(
     name: str, path: str | Path, arch: ModelArch, max_rank: int = MAX_LORA_RANK
 ) -> Adapter:
-    """The adapter at path for the base arch; AdapterError if it cannot be served as it is."""
+    """The adapter at path (a peft directory, or a llama.cpp GGUF LoRA file) for the base arch;
+    AdapterError if it cannot be served as it is."""
+    from gapless.gpu_runner.lora.gguf_adapter import is_gguf, load_gguf_adapter
+
     path = Path(path)
+    if path.is_file() and is_gguf(path):
+        return load_gguf_adapter(name, path, arch, max_rank)
     config = read_config(path)
     r0, alpha0 = config.get("r", 8), config.get("lora_alpha", 8)
     ranks, alphas = config.get("rank_pattern") or {}, config.get("alpha_pattern") or {}

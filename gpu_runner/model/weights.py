@@ -26,7 +26,7 @@ from gapless.common.model_check import Held, check_weights
 from gapless.common.model_files import GGUFFile, GGUFTensor, ModelArch, read_gguf
 from gapless.common.parameters import hf_name, parameter_names
 
-__all__ = ["hf_name", "load_weights", "parameter_names", "unpermuted"]
+__all__ = ["dequantized", "hf_name", "load_weights", "parameter_names", "unpermuted"]
 
 
 def _progress(items: list, desc: str) -> Iterator:
@@ -46,7 +46,7 @@ def _load_safetensors(held: dict[str, Held], names: list[str], dtype: torch.dtyp
     return out
 
 
-def _dequantize(raw: np.memmap, t: GGUFTensor) -> np.ndarray:
+def dequantized(raw: np.memmap, t: GGUFTensor) -> np.ndarray:
     """float32 array of shape t.shape ([out, in] order) from the tensor's bytes."""
     qtype = GGMLQuantizationType(t.qtype)
     block, block_bytes = GGML_QUANT_SIZES[qtype]
@@ -83,7 +83,7 @@ def _load_gguf(gguf: GGUFFile, held: dict[str, Held], names: list[str], arch: Mo
     out: dict[str, torch.Tensor] = {}
     for name in _progress(names, "dequantizing"):
         t = gguf.tensors[held[name].name]
-        w = unpermuted(name, torch.from_numpy(_dequantize(raw, t)), arch)
+        w = unpermuted(name, torch.from_numpy(dequantized(raw, t)), arch)
         if name.endswith("shared_expert_gate.weight"):
             w = w.reshape(1, -1)  # why: llama.cpp keeps this [1, H] layer as a vector
         out[name] = w.to(dtype).contiguous()

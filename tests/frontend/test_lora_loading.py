@@ -127,3 +127,20 @@ async def test_a_load_shows_at_once_to_the_tenants_it_belongs_to(client, engine,
     assert r.status_code == 404
     r = await client.post("/v1/unload_lora_adapter", json={"lora_name": "sql"}, headers=OPS)
     assert r.status_code == 404 and r.json()["error"]["param"] == "lora_name"
+
+
+async def test_a_gguf_adapter_file_under_the_roots_is_loaded(client, engine, roots) -> None:
+    """llama.cpp's LoRA files are single files: one under a root loads, one reached by a
+    link out of the roots does not, and a file that is not GGUF is a 400 as before."""
+    root, outside = roots
+    (root / "sql.gguf").write_bytes(b"GGUF\x03\x00\x00\x00")
+    (outside / "fr.gguf").write_bytes(b"GGUF\x03\x00\x00\x00")
+    os.symlink(outside / "fr.gguf", root / "fr.gguf")
+    r = await _load(client, "sql", root / "sql.gguf")
+    assert r.status_code == 200 and engine.lora_loads[-1].path == os.path.realpath(
+        root / "sql.gguf"
+    )
+    for path in (root / "fr.gguf", root / "notes.txt"):
+        r = await _load(client, "fr", path)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path", path
+    assert len(engine.lora_loads) == 1
