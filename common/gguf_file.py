@@ -70,6 +70,17 @@ class _Cursor:
         return float(str(np.float32(value))) if vtype == 6 else value  # f32 1e-5, not 9.99e-06
 
 
+def is_gguf(path: str | Path) -> bool:
+    """Whether path is a regular file that starts as GGUF files do."""
+    if not Path(path).is_file():  # why: opening a FIFO would block
+        return False
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
 def read_gguf(path: str | Path) -> GGUFFile:
     """Metadata and tensor directory of a GGUF file (v2/v3), without reading tensor data;
     ValueError naming the file (and the field) when the header is cut short or impossible.

@@ -9,6 +9,7 @@ import os
 
 import msgspec
 
+from gapless.common.gguf_file import is_gguf
 from gapless.common.lora import parse_lora_module
 from gapless.common.messages import LoraAdapters
 from gapless.frontend.api.state import FrontendState
@@ -66,7 +67,7 @@ async def read_load(state: FrontendState, req: HttpRequest) -> tuple[str, str]:
     if path is None:
         raise bad_request("lora_path must lie under a directory of --lora-dir (links resolved)",
                           param="lora_path")  # fmt: skip
-    if _is_gguf(path):  # a llama.cpp LoRA file; inside_roots resolved its links
+    if is_gguf(path):  # a llama.cpp LoRA file; inside_roots resolved its links
         return body.lora_name, path
     if not os.path.isdir(path):
         raise bad_request(f"lora_path {body.lora_path!r} is not a directory or a GGUF file",
@@ -75,16 +76,6 @@ async def read_load(state: FrontendState, req: HttpRequest) -> tuple[str, str]:
         if inside_roots(os.path.join(path, name), config.lora_dirs) is None:
             raise bad_request(f"lora_path: {name} leads out of --lora-dir", param="lora_path")
     return body.lora_name, path
-
-
-def _is_gguf(path: str) -> bool:
-    if not os.path.isfile(path):  # why: opening a FIFO would block
-        return False
-    try:
-        with open(path, "rb") as f:
-            return f.read(4) == b"GGUF"
-    except OSError:
-        return False
 
 
 async def read_unload(state: FrontendState, req: HttpRequest) -> str:

@@ -143,7 +143,8 @@ def load_adapter(
 ) -> Adapter:
     """The adapter at path (a peft directory, or a llama.cpp GGUF LoRA file) for the base arch;
     AdapterError if it cannot be served as it is."""
-    from gapless.gpu_runner.lora.gguf_adapter import is_gguf, load_gguf_adapter
+    from gapless.common.gguf_file import is_gguf
+    from gapless.gpu_runner.lora.gguf_adapter import load_gguf_adapter
 
     path = Path(path)
     if path.is_file() and is_gguf(path):

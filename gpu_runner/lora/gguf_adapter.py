@@ -27,17 +27,6 @@ from gapless.gpu_runner.model.weights import dequantized, unpermuted
 _SUFFIX = {".lora_a": "A", ".lora_b": "B"}
 
 
-def is_gguf(path: Path) -> bool:
-    """Whether path is a file that starts as GGUF files do."""
-    if not path.is_file():  # why: opening a FIFO would block
-        return False
-    try:
-        with open(path, "rb") as f:
-            return f.read(4) == b"GGUF"
-    except OSError:
-        return False
-
-
 def load_gguf_adapter(name: str, path: Path, arch: ModelArch, max_rank: int) -> Adapter:
     """The GGUF LoRA adapter at path for the base arch; AdapterError naming the file and the
     cause if it is not one, or does not fit the base."""
