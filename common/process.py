@@ -86,8 +86,22 @@ def child_setup(role: str) -> EngineConfig:
     )
     _die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, lambda *_: _stop.set())
+    signal.signal(signal.SIGTERM, _on_term)
     return config
+
+
+_term_seen = False  # a SIGTERM's handler ran (or is running)
+
+
+def _on_term(_signum: int, _frame: object) -> None:
+    """SIGTERM: stop. why the flag before the Event: a second SIGTERM (the parent's death
+    signal beside a kill) may interrupt this handler inside Event.set, which holds a lock that
+    is not reentrant; a second set() there waited on it forever, and the process never ended."""
+    global _term_seen
+    if _term_seen:
+        return
+    _term_seen = True
+    _stop.set()
 
 
 def _speaks_as(config: EngineConfig, role: str) -> str:
