@@ -59,9 +59,10 @@ class Planner:
 
     def plan_decode(self, rows: Rows) -> ScheduledStep | None:
         """Every running request feeds its last token and samples one (or verifies its drafts:
-        _plan_verify); a request whose blocks are full gets one more. None if one of them still prefills, there is nothing to feed
-        or the token budget or the blocks run short (the general plan preempts), having changed
-        nothing but given back blocks that fell out of a sliding window."""
+        _plan_verify); a request whose blocks are full gets one more. None if one of them
+        still prefills, there is nothing to feed or the token budget or the blocks run short
+        (the general plan preempts), having changed nothing but given back blocks that fell
+        out of a sliding window."""
         rb, bs = self.rb, self.blocks.block_size
         if self._steady is not rows:
             if not rb.decodes_all(rows.slots):
@@ -92,34 +93,12 @@ class Planner:
         if len(full):
             new_blocks = self._grow(step_rows, full, num_new_blocks)
             self._capacity[full if fed is None else fed[full]] += bs
-        rb.computed[slots] = start + 1
-        rb.pending[slots] += 1
-        self.seq += 1
-        plan = StepPlan(
-            seq=self.seq,
-            new_slots=[],
-            freed_slots=self.slots.take_freed(),
-            slots=step_rows.slot_list,
-            num_tokens=[1] * n,
-            start_pos=start.tolist(),
-            has_tokens=[False] * n,
-            token_ids=[],
-            sample=[True] * n,
-            num_new_blocks=num_new_blocks,
-            new_blocks=new_blocks,
-        )
-        return ScheduledStep(
-            plan=plan,
-            rows=step_rows,
-            num_decode_tokens=n,
-            num_released=rb.num_released,
-            decode=rows,
-        )
+        return self._decode_step(rows, step_rows, start, num_new_blocks, new_blocks, None)
 
     def _plan_verify(self, rows: Rows) -> ScheduledStep | None:
         """Every running request feeds its last token and verifies up to k drafts after it,
-        planned on counts as plan_running and build plan it (1 + k positions of KV per row,
-        on top of what the verifies in flight may still accept), as a few array operations.
+        planned on counts as the general plan plans it (1 + k positions of KV per row, on
+        top of what the verifies in flight may still accept), in a few array operations.
         None where the general plan must decide: a sliding window, a budget or block pool
         that runs short, a row not fed this step that needs a block."""
         self._steady = None
@@ -158,11 +137,25 @@ class Planner:
         if not feeds.all():
             fed = np.flatnonzero(feeds)
             step_rows, comp, grow, draft = rows.take(fed), comp[fed], grow[fed], draft[fed]
-        slots, n = step_rows.slots, len(comp)
-        rb.computed[slots] = comp + 1
+        rb.spec_extra[step_rows.slots] += draft
+        return self._decode_step(rows, step_rows, comp, grow.tolist(), new_blocks, draft)
+
+    def _decode_step(
+        self,
+        rows: Rows,
+        step_rows: Rows,
+        start: np.ndarray,
+        num_new_blocks: list[int],
+        new_blocks: list[int],
+        draft: np.ndarray | None,
+    ) -> ScheduledStep:
+        """The step of step_rows (rows, or those of them fed), each feeding the token at [n]
+        start (the runner's last sample) and sampling, verifying [n] draft after it where any;
+        rows: the running set the plan was made over."""
+        rb, slots, n = self.rb, step_rows.slots, len(start)
+        rb.computed[slots] = start + 1
         rb.pending[slots] += 1
-        rb.spec_extra[slots] += draft
-        any_draft = bool(draft.any())
+        drafts = draft if draft is not None and draft.any() else None
         self.seq += 1
         plan = StepPlan(
             seq=self.seq,
@@ -170,18 +163,18 @@ class Planner:
             freed_slots=self.slots.take_freed(),
             slots=step_rows.slot_list,
             num_tokens=[1] * n,
-            start_pos=comp.tolist(),
+            start_pos=start.tolist(),
             has_tokens=[False] * n,
             token_ids=[],
             sample=[True] * n,
-            num_new_blocks=grow.tolist(),
+            num_new_blocks=num_new_blocks,
             new_blocks=new_blocks,
-            num_draft=draft.tolist() if any_draft else [],
+            num_draft=[] if drafts is None else drafts.tolist(),
         )
         return ScheduledStep(
             plan=plan,
             rows=step_rows,
-            drafts=draft if any_draft else None,
+            drafts=drafts,
             num_decode_tokens=n,
             num_released=rb.num_released,
             decode=rows,
